@@ -1,0 +1,62 @@
+"""Plain-data statistics. One module (server/metrics.py) translates them to Prometheus."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class AllocatorStats(msgspec.Struct):
+    """Device allocator figures. On CUDA from torch.cuda.memory_stats(); on CPU only rss_bytes."""
+
+    device: str = "cpu"
+    reserved_bytes: int = 0  # "reserved_bytes.all.current"
+    allocated_bytes: int = 0  # "allocated_bytes.all.current"
+    inactive_split_bytes: int = 0  # "inactive_split_bytes.all.current"
+    num_alloc_retries: int = 0  # cumulative
+    num_ooms: int = 0  # cumulative
+    num_device_alloc: int = 0  # cumulative cudaMalloc calls ("num_device_alloc")
+    rss_bytes: int = 0  # engine process resident set size
+
+
+class StepStats(msgspec.Struct):
+    """One engine step (schedule, execute, update)."""
+
+    t_s: float  # monotonic end time of the step
+    step_s: float  # wall time of the step
+    num_seqs: int  # sequences in the batch (before padding)
+    num_tokens: int  # tokens in the batch (before padding)
+    padded_seqs: int  # bucket it was padded to
+    padded_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+class EngineStats(msgspec.Struct):
+    """Snapshot published by the engine process after steps (at most every few ms)."""
+
+    t_s: float = 0.0  # monotonic time of the snapshot
+    steps_total: int = 0
+    waiting: int = 0  # requests queued, not yet running
+    running: int = 0
+    waiting_tokens: int = 0  # prompt tokens not yet prefilled, over waiting+running
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    preemptions_total: int = 0
+    expired_total: int = 0
+    aborted_total: int = 0
+    finished_total: int = 0
+    oom_retries_total: int = 0  # batch splits after an OOM
+    oom_failures_total: int = 0  # requests failed because they OOM even alone
+    kv_allocations_total: int = 0  # KV tensors allocated (must not grow after warm-up)
+    distinct_shapes: int = 0  # distinct (seqs, tokens) forward shapes executed so far
+    warmup_done: bool = False
+    max_num_seqs: int = 0  # batch capacity (for "batches full?" questions)
+    max_num_batched_tokens: int = 0
+    gc_pause_s_total: float = 0.0
+    gc_collections_total: int = 0
+    cpu_seconds_total: float = 0.0  # engine process CPU time
+    intra_op_threads: int = 0
+    tokens_per_s: float = 0.0  # recent EWMA of processed (prefill + decode) tokens per second
+    step_s_ewma: float = 0.0  # recent EWMA of step wall time
+    recent_steps: list[StepStats] = []  # steps since the previous snapshot
+    allocator: AllocatorStats = AllocatorStats()
