@@ -59,4 +59,4 @@ class EngineStats(msgspec.Struct):
     tokens_per_s: float = 0.0  # recent EWMA of processed (prefill + decode) tokens per second
     step_s_ewma: float = 0.0  # recent EWMA of step wall time
     recent_steps: list[StepStats] = []  # steps since the previous snapshot
-    allocator: AllocatorStats = AllocatorStats()
+    allocator: AllocatorStats = msgspec.field(default_factory=AllocatorStats)

@@ -1,0 +1,47 @@
+"""What the HTTP server needs from an engine: the protocol both the real engine client
+(`tailguard.engine.client.EngineClient`, model in a separate process) and the instant stub used by
+front-end benchmarks and server tests (`tailguard.server.stub.StubEngineClient`) implement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from tailguard.core.request import EngineOutput, EngineRequest
+from tailguard.core.stats import EngineStats
+
+
+class EngineClientProtocol(Protocol):
+    async def start(self) -> None:
+        """Start the engine (process) and return once it is warmed up and ready."""
+
+    async def close(self) -> None:
+        """Stop the engine; in-flight requests finish with EngineUnavailableError."""
+
+    def submit(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Submit one request and iterate its outputs until one has finished=True.
+
+        Closing the iterator early (client disconnect, cancellation) aborts the request in the
+        engine and returns its KV blocks. Raises tailguard.errors.EngineUnavailableError if the
+        engine process dies while the request is in flight.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request at any point; its blocks return to the pool."""
+
+    @property
+    def stats(self) -> EngineStats:
+        """Latest snapshot published by the engine (plain data)."""
+        ...
+
+    @property
+    def ready(self) -> bool:
+        """True when the engine process is alive and warm-up is done."""
+        ...
+
+    @property
+    def restarts(self) -> int:
+        """Engine process restarts so far (bounded; see EngineConfig.max_restarts)."""
+        ...
