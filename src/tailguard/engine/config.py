@@ -1,0 +1,79 @@
+"""Engine configuration: typed, validated at construction, never mutated afterwards."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from tailguard.errors import ConfigError
+
+
+def _available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str | None = None
+    """Checkpoint folder (config.json + safetensors + tokenizer). None: the embedded default model."""
+    dtype: str = "auto"
+    """auto (bf16 where the CPU supports it, else fp32; CUDA: bf16), float32, bfloat16, float16."""
+    device: str = "cpu"
+    """cpu or cuda[:N]."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    """KV pool size in bytes (CPU). The pool is allocated once at start-up."""
+    kv_cache_memory_fraction: float = 0.85
+    """CUDA: fraction of free device memory (after a warm-up at the largest bucket) for the pool."""
+    max_num_seqs: int = 64
+    """Most sequences in one forward pass."""
+    max_num_batched_tokens: int = 1024
+    """Per-step token budget (prefill chunks + decodes)."""
+    max_model_len: int | None = None
+    """Longest prompt + output; None: the model's max_position_embeddings."""
+    seq_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    """Sequence-count buckets; the last must be >= max_num_seqs."""
+    token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
+    """Token-count buckets; the last must be >= max_num_batched_tokens."""
+    threads: int = field(default_factory=_available_cores)
+    """Intra-op threads in the engine process (every other process uses 1)."""
+    max_restarts: int = 3
+    """Engine process restarts before the server gives up (stays not-ready)."""
+    seed: int = 0
+    warmup: bool = True
+    """Run every bucket shape once before reporting ready."""
+    oom_test_hook: str | None = None
+    """Tests only: request ids (comma-separated) whose forward raises OutOfMemoryError unless alone."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
+        need(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+             f"block_size={self.block_size}: must be a power of two, e.g. 16")
+        need(self.kv_cache_bytes > 0, f"kv_cache_bytes={self.kv_cache_bytes}: must be positive")
+        need(0.0 < self.kv_cache_memory_fraction <= 0.95,
+             f"kv_cache_memory_fraction={self.kv_cache_memory_fraction}: must be in (0, 0.95]")
+        need(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs}: must be >= 1")
+        need(self.max_num_batched_tokens >= self.max_num_seqs,
+             f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs="
+             f"{self.max_num_seqs}: every running sequence needs a token per step; raise the budget")
+        need(list(self.seq_buckets) == sorted(set(self.seq_buckets)) and self.seq_buckets[0] >= 1,
+             f"seq_buckets={self.seq_buckets}: must be strictly increasing positive sizes")
+        need(list(self.token_buckets) == sorted(set(self.token_buckets)),
+             f"token_buckets={self.token_buckets}: must be strictly increasing")
+        need(self.seq_buckets[-1] >= self.max_num_seqs,
+             f"seq_buckets end at {self.seq_buckets[-1]} < max_num_seqs={self.max_num_seqs}: "
+             "add a bucket or lower max_num_seqs")
+        need(self.token_buckets[-1] >= self.max_num_batched_tokens,
+             f"token_buckets end at {self.token_buckets[-1]} < max_num_batched_tokens="
+             f"{self.max_num_batched_tokens}: add a bucket or lower the budget")
+        need(self.threads >= 1, f"threads={self.threads}: must be >= 1")
+        need(self.max_restarts >= 0, f"max_restarts={self.max_restarts}: must be >= 0")
