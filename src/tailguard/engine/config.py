@@ -18,7 +18,7 @@ def _available_cores() -> int:
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str | None = None
-    """Checkpoint folder (config.json + safetensors + tokenizer). None: the embedded default model."""
+    """Checkpoint folder (config.json + safetensors + tokenizer); None: the embedded model."""
     dtype: str = "auto"
     """auto (bf16 where the CPU supports it, else fp32; CUDA: bf16), float32, bfloat16, float16."""
     device: str = "cpu"
@@ -47,33 +47,49 @@ class EngineConfig:
     warmup: bool = True
     """Run every bucket shape once before reporting ready."""
     oom_test_hook: str | None = None
-    """Tests only: request ids (comma-separated) whose forward raises OutOfMemoryError unless alone."""
+    """Tests only: request ids (comma-separated) whose batches raise OutOfMemoryError."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ConfigError(msg)
 
-        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
-             f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
-        need(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
-             f"block_size={self.block_size}: must be a power of two, e.g. 16")
+        need(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16",
+        )
+        need(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            f"block_size={self.block_size}: must be a power of two, e.g. 16",
+        )
         need(self.kv_cache_bytes > 0, f"kv_cache_bytes={self.kv_cache_bytes}: must be positive")
-        need(0.0 < self.kv_cache_memory_fraction <= 0.95,
-             f"kv_cache_memory_fraction={self.kv_cache_memory_fraction}: must be in (0, 0.95]")
+        need(
+            0.0 < self.kv_cache_memory_fraction <= 0.95,
+            f"kv_cache_memory_fraction={self.kv_cache_memory_fraction}: must be in (0, 0.95]",
+        )
         need(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs}: must be >= 1")
-        need(self.max_num_batched_tokens >= self.max_num_seqs,
-             f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs="
-             f"{self.max_num_seqs}: every running sequence needs a token per step; raise the budget")
-        need(list(self.seq_buckets) == sorted(set(self.seq_buckets)) and self.seq_buckets[0] >= 1,
-             f"seq_buckets={self.seq_buckets}: must be strictly increasing positive sizes")
-        need(list(self.token_buckets) == sorted(set(self.token_buckets)),
-             f"token_buckets={self.token_buckets}: must be strictly increasing")
-        need(self.seq_buckets[-1] >= self.max_num_seqs,
-             f"seq_buckets end at {self.seq_buckets[-1]} < max_num_seqs={self.max_num_seqs}: "
-             "add a bucket or lower max_num_seqs")
-        need(self.token_buckets[-1] >= self.max_num_batched_tokens,
-             f"token_buckets end at {self.token_buckets[-1]} < max_num_batched_tokens="
-             f"{self.max_num_batched_tokens}: add a bucket or lower the budget")
+        need(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs="
+            f"{self.max_num_seqs}: every running sequence needs a token per step; raise the budget",
+        )
+        need(
+            list(self.seq_buckets) == sorted(set(self.seq_buckets)) and self.seq_buckets[0] >= 1,
+            f"seq_buckets={self.seq_buckets}: must be strictly increasing positive sizes",
+        )
+        need(
+            list(self.token_buckets) == sorted(set(self.token_buckets)),
+            f"token_buckets={self.token_buckets}: must be strictly increasing",
+        )
+        need(
+            self.seq_buckets[-1] >= self.max_num_seqs,
+            f"seq_buckets end at {self.seq_buckets[-1]} < max_num_seqs={self.max_num_seqs}: "
+            "add a bucket or lower max_num_seqs",
+        )
+        need(
+            self.token_buckets[-1] >= self.max_num_batched_tokens,
+            f"token_buckets end at {self.token_buckets[-1]} < max_num_batched_tokens="
+            f"{self.max_num_batched_tokens}: add a bucket or lower the budget",
+        )
         need(self.threads >= 1, f"threads={self.threads}: must be >= 1")
         need(self.max_restarts >= 0, f"max_restarts={self.max_restarts}: must be >= 0")

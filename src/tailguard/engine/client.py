@@ -1,0 +1,254 @@
+"""EngineClient: the HTTP process's handle on the engine process (submit, stream, abort).
+
+The client owns the process: it starts it, waits for warm-up, and watches it. If the engine
+dies, every in-flight request ends with EngineUnavailableError at once (no hanging), `ready`
+goes False, and the client restarts it, at most `max_restarts` times. Sockets are recreated on
+each restart so messages meant for a dead engine are never replayed into a new one.
+
+This module never imports torch: the HTTP process stays light.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tailguard.core.request import EngineOutput, EngineRequest
+from tailguard.core.stats import EngineStats
+from tailguard.engine.config import EngineConfig
+from tailguard.engine.protocol import (
+    AbortMsg,
+    AddMsg,
+    FatalMsg,
+    FromEngine,
+    ReadyMsg,
+    ShutdownMsg,
+    UpdateMsg,
+)
+from tailguard.errors import EngineUnavailableError
+
+STARTUP_TIMEOUT_S = 600.0  # loading + warm-up of a large checkpoint can take minutes
+WATCH_INTERVAL_S = 0.1
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._stats = EngineStats()
+        self._ready = False
+        self._restarts = 0
+        self._closing = False
+        self._queues: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ipc_dir = tempfile.mkdtemp(prefix="tailguard-ipc-")
+        self._actx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
+        self._push: zmq.Socket[bytes] | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(FromEngine).decode
+        self.max_model_len = 0
+        self.num_kv_blocks = 0
+        self.last_error: str | None = None
+
+    # ---- protocol properties ---------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def restarts(self) -> int:
+        return self._restarts
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self._launch()
+        self._tasks.append(asyncio.create_task(self._watch(), name="engine-watch"))
+
+    async def close(self) -> None:
+        self._closing = True
+        self._ready = False
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        if self._push is not None and self._proc is not None and self._proc.poll() is None:
+            self._push.send(self._encode(ShutdownMsg()))
+        if self._proc is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self._proc.wait), 5.0)
+            except TimeoutError:
+                self._proc.kill()
+                await asyncio.to_thread(self._proc.wait)
+        self._fail_all("engine is shutting down")
+        self._close_sockets()
+        self._actx.term()
+        self._ctx.term()
+
+    async def _launch(self) -> None:
+        self._close_sockets()
+        tag = uuid.uuid4().hex[:8]
+        to_engine = f"ipc://{self._ipc_dir}/in-{tag}"
+        from_engine = f"ipc://{self._ipc_dir}/out-{tag}"
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(to_engine)
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(from_engine)
+        env = dict(os.environ)
+        # intra-op threads are set deliberately: the engine's count there, 1 everywhere else
+        env["OMP_NUM_THREADS"] = str(self.config.threads)
+        env["MKL_NUM_THREADS"] = str(self.config.threads)
+        cfg = json.dumps(dataclasses.asdict(self.config))
+        self._proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tailguard.engine.process",
+                "--config-json",
+                cfg,
+                "--input",
+                to_engine,
+                "--output",
+                from_engine,
+            ],
+            env=env,
+        )
+        msg = await self._await_ready()
+        self.max_model_len = msg.max_model_len
+        self.num_kv_blocks = msg.num_kv_blocks
+        self._stats = msg.stats
+        self._ready = True
+        self._tasks.append(asyncio.create_task(self._read(), name="engine-read"))
+
+    async def _await_ready(self) -> ReadyMsg:
+        assert self._pull is not None and self._proc is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STARTUP_TIMEOUT_S
+        while loop.time() < deadline:
+            if await self._pull.poll(200):
+                msg = self._decode(await self._pull.recv())
+                if isinstance(msg, ReadyMsg):
+                    return msg
+                if isinstance(msg, FatalMsg):
+                    self.last_error = msg.error
+                    raise EngineUnavailableError(f"engine failed to start: {msg.error}")
+            if self._proc.poll() is not None:
+                raise EngineUnavailableError(
+                    f"engine process exited with code {self._proc.returncode} during start-up; "
+                    "see its log above"
+                )
+        self._proc.kill()
+        raise EngineUnavailableError(f"engine not ready after {STARTUP_TIMEOUT_S:.0f} s")
+
+    def _close_sockets(self) -> None:
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        self._push = self._pull = None
+
+    # ---- background tasks ------------------------------------------------------------------
+    async def _read(self) -> None:
+        pull = self._pull
+        assert pull is not None
+        while True:
+            msg = self._decode(await pull.recv())
+            if isinstance(msg, UpdateMsg):
+                for out in msg.outputs:
+                    q = self._queues.get(out.request_id)
+                    if q is not None:
+                        q.put_nowait(out)
+                if msg.stats is not None:
+                    self._stats = msg.stats
+            elif isinstance(msg, FatalMsg):
+                self.last_error = msg.error
+
+    async def _watch(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if self._proc is None or self._proc.poll() is None:
+                continue
+            code = self._proc.returncode
+            self._ready = False
+            self._stop_reader()
+            self._fail_all(f"engine process died (exit code {code}); retry shortly")
+            if self._restarts >= self.config.max_restarts:
+                self.last_error = (
+                    f"engine died {self._restarts + 1} times; not restarting "
+                    f"(max_restarts={self.config.max_restarts})"
+                )
+                return
+            self._restarts += 1
+            try:
+                await self._launch()
+            except EngineUnavailableError as exc:
+                self.last_error = str(exc)
+
+    def _stop_reader(self) -> None:
+        for t in [t for t in self._tasks if t.get_name() == "engine-read"]:
+            t.cancel()
+            self._tasks.remove(t)
+
+    def _fail_all(self, why: str) -> None:
+        for q in self._queues.values():
+            q.put_nowait(EngineUnavailableError(why))
+
+    # ---- requests -------------------------------------------------------------------------
+    async def submit(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if not self._ready or self._push is None:
+            raise EngineUnavailableError(
+                self.last_error or "engine is not ready yet; retry shortly"
+            )
+        rid = request.request_id
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        q: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
+        self._queues[rid] = q
+        self._push.send(self._encode(AddMsg(request=request)))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine that held it is gone
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self._send_abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        self._send_abort(request_id)
+
+    def _send_abort(self, request_id: str) -> None:
+        if self._push is not None and self._ready:
+            self._push.send(self._encode(AbortMsg(request_id=request_id)))

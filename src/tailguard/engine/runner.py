@@ -1,0 +1,347 @@
+"""The model runner: owns the model and the device memory (KV pool), turns a scheduled step into
+one padded forward pass, and samples.
+
+Memory is allocated once: the KV cache at start-up (sized from config, or on CUDA from the free
+memory left after a warm-up forward at the largest bucket), and every forward is padded to a
+(sequences, tokens) bucket so the allocator only ever sees shapes it met during warm-up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tailguard.core.request import EngineRequest, Pooling, RequestKind
+from tailguard.core.scheduler import ScheduledSeq, SeqResult
+from tailguard.engine.buckets import ShapeTracker, bucket_for, pow2_at_least, warmup_shapes
+from tailguard.engine.config import EngineConfig
+from tailguard.model.batch import NULL_BLOCK, AttnGroup, ForwardBatch
+from tailguard.model.config import MistralConfig
+from tailguard.model.loader import best_cpu_dtype, load_model, resolve_dtype
+from tailguard.model.mistral import allocate_kv_cache
+
+QUERY_PAD = 16  # prefill chunk lengths pad to a multiple of this (decodes: 1)
+BLOCKS_PAD = 4  # context pads to a multiple of this many blocks
+
+
+def round_up(n: int, multiple: int) -> int:
+    return n if n == 1 else -(-n // multiple) * multiple
+
+
+class InjectedOOM(torch.OutOfMemoryError):
+    """Raised by the test hook (EngineConfig.oom_test_hook) to exercise OOM isolation on CPU."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_blocks: int  # including the reserved null block
+    block_size: int
+    bytes_per_block: int  # K and V over all layers
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def kv_bytes_per_block(mcfg: MistralConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * mcfg.num_hidden_layers * block_size * mcfg.num_key_value_heads * mcfg.head_dim * elem
+
+
+def choose_dtype(config: EngineConfig) -> torch.dtype:
+    if config.dtype != "auto":
+        return resolve_dtype(config.dtype)
+    if config.device.startswith("cuda"):
+        return torch.bfloat16
+    return best_cpu_dtype()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = choose_dtype(config)
+        self.model, self.mcfg = load_model(model_dir, dtype=self.dtype, device=config.device)
+        self.model.eval()
+        self.max_model_len = config.max_model_len or self.mcfg.max_position_embeddings
+        self.shapes = ShapeTracker()
+        self.last_shape: tuple[int, int] = (0, 0)
+        self.kv_allocations = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.layout = self._allocate_kv()
+        self._pool_sums: dict[str, torch.Tensor] = {}  # request id -> running hidden sum (fp32)
+        self._generators: dict[str, torch.Generator] = {}  # seeded sampling, per request
+        self._oom_ids = frozenset((config.oom_test_hook or "").split(",")) - {""}
+
+    # ---- memory --------------------------------------------------------------------------
+    def _allocate_kv(self) -> KVLayout:
+        per_block = kv_bytes_per_block(self.mcfg, self.config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            num_blocks = self._cuda_num_blocks(per_block)
+        else:
+            num_blocks = self.config.kv_cache_bytes // per_block
+        need = math.ceil(self.max_model_len / self.config.block_size) + 1
+        if num_blocks < need:
+            raise ValueError(
+                f"KV pool of {num_blocks} blocks cannot hold one sequence of max_model_len="
+                f"{self.max_model_len} ({need} blocks of {self.config.block_size}): raise "
+                f"kv_cache_bytes to at least {need * per_block} or lower max_model_len"
+            )
+        self.kv_caches = allocate_kv_cache(
+            self.mcfg, num_blocks, self.config.block_size, self.dtype, self.device
+        )
+        self.kv_allocations += 2 * len(self.kv_caches)
+        return KVLayout(num_blocks, self.config.block_size, per_block)
+
+    def _cuda_num_blocks(self, per_block: int) -> int:  # pragma: no cover - needs a GPU
+        """Warm up once at the largest bucket with a minimal pool, then give the pool a fraction
+        of what is free: activation peaks are measured, not guessed."""
+        probe_blocks = math.ceil(self.max_model_len / self.config.block_size) + 2
+        self.kv_caches = allocate_kv_cache(
+            self.mcfg, probe_blocks, self.config.block_size, self.dtype, self.device
+        )
+        self.layout = KVLayout(probe_blocks, self.config.block_size, per_block)
+        self._dummy_forward(self.config.seq_buckets[-1], self.config.token_buckets[-1])
+        torch.cuda.synchronize(self.device)
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        free, _total = torch.cuda.mem_get_info(self.device)
+        return int(free * self.config.kv_cache_memory_fraction) // per_block
+
+    def release_memory(self) -> None:
+        """After an OOM: give cached, unused device memory back before retrying smaller."""
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.empty_cache()
+
+    def forget(self, request_id: str) -> None:
+        """A request finished or was aborted/preempted: drop its per-request state."""
+        self._pool_sums.pop(request_id, None)
+        self._generators.pop(request_id, None)
+
+    # ---- execution -----------------------------------------------------------------------
+    def warmup(self) -> None:
+        for num_seqs, num_tokens in warmup_shapes(
+            self.config.seq_buckets, self.config.token_buckets
+        ):
+            self._dummy_forward(num_seqs, num_tokens)
+        self.shapes.mark_warm()
+
+    def _dummy_forward(self, num_seqs: int, num_tokens: int, table_width: int = 1) -> None:
+        """A forward of exactly this bucket shape that only touches the null block."""
+        per_seq = [num_tokens // num_seqs] * num_seqs
+        per_seq[0] += num_tokens - sum(per_seq)
+        groups = []
+        start = 0
+        for q in sorted(set(per_seq)):
+            rows = [i for i, n in enumerate(per_seq) if n == q]
+            index = torch.tensor([[start + r * q + j for j in range(q)] for r in range(len(rows))])
+            start += len(rows) * q
+            groups.append(
+                AttnGroup(
+                    token_index=index,
+                    block_tables=torch.full((len(rows), table_width), NULL_BLOCK, dtype=torch.long),
+                    context_lens=torch.full((len(rows),), q, dtype=torch.long).clamp(
+                        max=self.config.block_size
+                    ),
+                    query_start=torch.zeros(len(rows), dtype=torch.long),
+                )
+            )
+        batch = ForwardBatch(
+            input_ids=torch.zeros(num_tokens, dtype=torch.long),
+            positions=torch.zeros(num_tokens, dtype=torch.long),
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.long),
+            groups=tuple(_to(g, self.device) for g in groups),
+        )
+        with torch.inference_mode():
+            hidden = self.model(_to_batch(batch, self.device), self.kv_caches)
+            self.model.compute_logits(hidden[:num_seqs])
+        self.shapes.record((num_seqs, num_tokens))
+
+    def execute(self, items: list[ScheduledSeq]) -> list[SeqResult]:
+        if self._oom_ids and len(self._oom_ids & {i.seq.request_id for i in items}):
+            raise InjectedOOM(f"injected out-of-memory (test hook) in a batch of {len(items)}")
+        plan = _Plan.build(items, self.config, self.device)
+        with torch.inference_mode():
+            hidden = self.model(plan.batch, self.kv_caches)  # [T, hidden]
+            rows = hidden[plan.last_index]  # [S, hidden]: each sequence's last new token
+            logits = self.model.compute_logits(rows) if plan.needs_logits else None  # [S, vocab]
+            results = self._results(items, plan, hidden, rows, logits)
+        self.shapes.record(plan.shape)
+        self.last_shape = plan.shape
+        return results
+
+    def _results(
+        self,
+        items: list[ScheduledSeq],
+        plan: _Plan,
+        hidden: torch.Tensor,
+        rows: torch.Tensor,
+        logits: torch.Tensor | None,
+    ) -> list[SeqResult]:
+        greedy = logits.argmax(dim=-1).tolist() if logits is not None else []
+        results: list[SeqResult] = []
+        for i, item in enumerate(items):
+            req = item.seq.request
+            wants_embedding = req.kind == RequestKind.EMBED or req.want_embedding
+            if wants_embedding and req.pooling == Pooling.MEAN:
+                self._accumulate(req.request_id, item, hidden[plan.spans[i][0] : plan.spans[i][1]])
+            if not item.completes:
+                results.append(SeqResult())
+                continue
+            embedding = (
+                self._embedding(req.request_id, rows[i], req.pooling, item.seq.num_tokens)
+                if wants_embedding
+                else None
+            )
+            top = None
+            if req.kind == RequestKind.SCORE and req.top_k > 0 and logits is not None:
+                logp = torch.log_softmax(logits[i], dim=-1)
+                vals, ids = logp.topk(min(req.top_k, logp.numel()))
+                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+            token = None
+            if (
+                req.kind == RequestKind.GENERATE
+                and not item.seq.is_single_pass
+                and logits is not None
+            ):
+                token = greedy[i] if req.sampling.temperature == 0 else self._sample(req, logits[i])
+            results.append(SeqResult(token_id=token, embedding=embedding, top_logprobs=top))
+            if item.seq.is_single_pass:
+                self.forget(req.request_id)
+        return results
+
+    def _accumulate(self, rid: str, item: ScheduledSeq, chunk: torch.Tensor) -> None:
+        total = chunk.float().sum(dim=0)  # [hidden]
+        if item.start == 0 or rid not in self._pool_sums:  # first chunk (or recomputed)
+            self._pool_sums[rid] = total
+        else:
+            self._pool_sums[rid] += total
+
+    def _embedding(self, rid: str, last: torch.Tensor, pooling: Pooling, n: int) -> list[float]:
+        vec = self._pool_sums.pop(rid) / n if pooling == Pooling.MEAN else last.float()
+        return torch.nn.functional.normalize(vec, dim=0).tolist()
+
+    def _sample(self, req: EngineRequest, row: torch.Tensor) -> int:
+        sp = req.sampling
+        probs = torch.softmax(row.float() / sp.temperature, dim=-1)
+        if sp.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < sp.top_p  # always keeps the best token
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        gen = None
+        if sp.seed is not None:
+            gen = self._generators.get(req.request_id)
+            if gen is None:
+                gen = torch.Generator(device=self.device).manual_seed(sp.seed)
+                self._generators[req.request_id] = gen
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A scheduled step laid out as one padded forward pass."""
+
+    batch: ForwardBatch
+    shape: tuple[int, int]  # (sequence bucket, token bucket)
+    last_index: torch.Tensor  # [S_bucket] flat index of each sequence's last new token
+    spans: list[tuple[int, int]]  # flat [begin, end) of each item's tokens
+    needs_logits: bool
+
+    @staticmethod
+    def build(items: list[ScheduledSeq], config: EngineConfig, device: torch.device) -> _Plan:
+        bs = config.block_size
+        num_tokens = sum(i.num_new for i in items)
+        s_bucket = bucket_for(config.seq_buckets, len(items))
+        t_bucket = bucket_for(config.token_buckets, num_tokens)
+        input_ids = [0] * t_bucket
+        positions = [0] * t_bucket
+        slots = [NULL_BLOCK * bs] * t_bucket
+        spans: list[tuple[int, int]] = []
+        flat = 0
+        for item in items:
+            seq = item.seq
+            end = item.start + item.num_new
+            input_ids[flat : flat + item.num_new] = seq.token_ids[item.start : end]
+            positions[flat : flat + item.num_new] = range(item.start, end)
+            table = seq.block_table
+            slots[flat : flat + item.num_new] = [
+                table[p // bs] * bs + p % bs for p in range(item.start, end)
+            ]
+            spans.append((flat, flat + item.num_new))
+            flat += item.num_new
+        decode = [i for i, it in enumerate(items) if it.num_new == 1]
+        prefill = [i for i, it in enumerate(items) if it.num_new > 1]
+        groups = tuple(
+            _group(items, spans, idx, t_bucket, device) for idx in (decode, prefill) if idx
+        )
+        last = [e - 1 for _, e in spans] + [t_bucket - 1] * (s_bucket - len(items))
+        needs_logits = any(
+            it.completes and (it.seq.request.kind != RequestKind.EMBED) for it in items
+        )
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            groups=groups,
+        )
+        return _Plan(
+            batch,
+            (s_bucket, t_bucket),
+            torch.tensor(last, dtype=torch.long, device=device),
+            spans,
+            needs_logits,
+        )
+
+
+def _group(
+    items: list[ScheduledSeq],
+    spans: list[tuple[int, int]],
+    idx: list[int],
+    pad_token: int,
+    device: torch.device,
+) -> AttnGroup:
+    """Sequences idx in a [G, Q] query layout; G pads to a power of two, Q and blocks to
+    multiples (attention cost grows with Q x context, so coarse padding there costs the most)."""
+    g = pow2_at_least(len(idx))
+    q = round_up(max(items[i].num_new for i in idx), QUERY_PAD)
+    nblocks = round_up(max(len(items[i].seq.block_table) for i in idx), BLOCKS_PAD)
+    token_index = [[pad_token] * q for _ in range(g)]
+    tables = [[NULL_BLOCK] * nblocks for _ in range(g)]
+    ctx = [1] * g  # padding rows see key 0 of the null block: finite, never NaN
+    qstart = [0] * g
+    for row, i in enumerate(idx):
+        it = items[i]
+        b, e = spans[i]
+        token_index[row][: e - b] = range(b, e)
+        bt = it.seq.block_table
+        tables[row][: len(bt)] = bt
+        ctx[row] = it.start + it.num_new
+        qstart[row] = it.start
+    return AttnGroup(
+        token_index=torch.tensor(token_index, dtype=torch.long, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+        context_lens=torch.tensor(ctx, dtype=torch.long, device=device),
+        query_start=torch.tensor(qstart, dtype=torch.long, device=device),
+    )
+
+
+def _to(g: AttnGroup, device: torch.device) -> AttnGroup:
+    if device.type == "cpu":
+        return g
+    return AttnGroup(
+        *(
+            t.to(device, non_blocking=True)
+            for t in (g.token_index, g.block_tables, g.context_lens, g.query_start)
+        )
+    )
+
+
+def _to_batch(b: ForwardBatch, device: torch.device) -> ForwardBatch:
+    if device.type == "cpu":
+        return b
+    return ForwardBatch(
+        b.input_ids.to(device), b.positions.to(device), b.slot_mapping.to(device), b.groups
+    )
