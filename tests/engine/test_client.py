@@ -1,0 +1,67 @@
+"""EngineClient drives a real engine process over ZeroMQ: stream, abort, death and restart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tailguard.core.request import EngineRequest, FinishReason, SamplingParams
+from tailguard.engine.client import EngineClient
+from tailguard.errors import EngineUnavailableError
+from tests.engine.conftest import tiny_engine_config
+
+
+def req(rid: str, max_tokens: int = 6) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt_token_ids=(5, 6, 7, 8),
+                         sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+async def collect(client: EngineClient, r: EngineRequest) -> list[int]:
+    toks: list[int] = []
+    async for out in client.submit(r):
+        toks.extend(out.new_token_ids)
+        if out.finished:
+            assert out.finish_reason == FinishReason.LENGTH
+    return toks
+
+
+async def test_client_streams_aborts_and_survives_engine_death(tiny_model_dir: Path) -> None:
+    client = EngineClient(tiny_engine_config(tiny_model_dir, max_restarts=1, warmup=False))
+    await client.start()
+    try:
+        assert client.ready and client.pid is not None
+        results = await asyncio.gather(*(collect(client, req(f"r{i}")) for i in range(16)))
+        assert all(len(t) == 6 for t in results)
+        assert len({tuple(t) for t in results}) == 1  # same prompt, greedy: same tokens
+
+        # abort mid-stream by closing the iterator: blocks go back to the pool
+        it = client.submit(req("long", max_tokens=500))
+        await it.__anext__()
+        await it.aclose()  # type: ignore[attr-defined]
+        for _ in range(50):
+            await asyncio.sleep(0.05)
+            if client.stats.kv_blocks_used == 0 and client.stats.aborted_total >= 1:
+                break
+        assert client.stats.aborted_total >= 1 and client.stats.kv_blocks_used == 0
+
+        # kill the engine mid-request: the request fails fast, then the engine comes back
+        inflight = asyncio.create_task(collect(client, req("doomed", max_tokens=100_000 // 100)))
+        await asyncio.sleep(0.05)
+        first_pid = client.pid
+        assert first_pid is not None
+        os.kill(first_pid, signal.SIGKILL)
+        with pytest.raises(EngineUnavailableError, match="died"):
+            await asyncio.wait_for(inflight, 10)
+        for _ in range(600):
+            if client.ready and client.pid != first_pid:
+                break
+            await asyncio.sleep(0.05)
+        assert client.ready and client.restarts == 1
+        assert len(await collect(client, req("after"))) == 6
+    finally:
+        await client.close()
+    assert not client.ready
