@@ -35,8 +35,13 @@ TINY = MistralConfig(
 # Fewer, smaller heads: for the long memory test, where attention over 1,000-token contexts
 # dominates the cost and the model's quality does not matter.
 MICRO = dataclasses.replace(
-    TINY, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-    source="<micro test model>")
+    TINY,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    source="<micro test model>",
+)
 
 
 @pytest.fixture(scope="session")

@@ -8,16 +8,19 @@ import signal
 from pathlib import Path
 
 import pytest
+from tests.engine.conftest import tiny_engine_config
 
 from tailguard.core.request import EngineRequest, FinishReason, SamplingParams
 from tailguard.engine.client import EngineClient
 from tailguard.errors import EngineUnavailableError
-from tests.engine.conftest import tiny_engine_config
 
 
 def req(rid: str, max_tokens: int = 6) -> EngineRequest:
-    return EngineRequest(request_id=rid, prompt_token_ids=(5, 6, 7, 8),
-                         sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return EngineRequest(
+        request_id=rid,
+        prompt_token_ids=(5, 6, 7, 8),
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 async def collect(client: EngineClient, r: EngineRequest) -> list[int]:

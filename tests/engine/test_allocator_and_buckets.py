@@ -1,0 +1,76 @@
+"""CUDA allocator figures (recorded stats dict, tested on CPU) and shape buckets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tailguard.engine.allocator import CUDA_ALLOC_CONF, allocator_stats, from_memory_stats
+from tailguard.engine.buckets import ShapeTracker, bucket_for, warmup_shapes
+from tailguard.engine.config import EngineConfig
+from tailguard.errors import ConfigError
+
+# Recorded from torch.cuda.memory_stats() on a fragmented device (values as PyTorch reports them).
+RECORDED_CUDA_STATS = {
+    "reserved_bytes.all.current": 12_884_901_888,
+    "allocated_bytes.all.current": 9_663_676_416,
+    "inactive_split_bytes.all.current": 1_610_612_736,
+    "num_alloc_retries": 17,
+    "num_ooms": 2,
+    "num_device_alloc": 311,
+    "active_bytes.all.current": 9_663_676_416,
+}
+
+
+def test_cuda_memory_stats_translate_to_engine_stats() -> None:
+    a = from_memory_stats(RECORDED_CUDA_STATS, rss_bytes=123, device="cuda:0")
+    assert (a.device, a.reserved_bytes, a.allocated_bytes) == (
+        "cuda:0",
+        12_884_901_888,
+        9_663_676_416,
+    )
+    assert a.reserved_bytes - a.allocated_bytes == 3_221_225_472  # the fragmentation gap
+    assert (a.inactive_split_bytes, a.num_alloc_retries, a.num_ooms) == (1_610_612_736, 17, 2)
+    assert a.num_device_alloc == 311 and a.rss_bytes == 123
+
+
+def test_missing_keys_read_as_zero_and_cpu_reports_rss() -> None:
+    assert from_memory_stats({}, rss_bytes=5).num_alloc_retries == 0
+    cpu = allocator_stats(torch.device("cpu"), rss_bytes=42)
+    assert cpu.device == "cpu" and cpu.rss_bytes == 42 and cpu.reserved_bytes == 0
+
+
+def test_allocator_config_is_the_variable_pytorch_reads() -> None:
+    assert CUDA_ALLOC_CONF == "expandable_segments:True"  # not max_split_size_mb: never both
+
+
+def test_bucket_for_picks_the_smallest_bucket_that_fits() -> None:
+    assert [bucket_for((16, 32, 64), n) for n in (1, 16, 17, 64)] == [16, 16, 32, 64]
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        bucket_for((16, 32), 33)
+
+
+def test_warmup_shapes_cover_every_shape_the_scheduler_can_produce() -> None:
+    cfg = EngineConfig()
+    shapes = set(warmup_shapes(cfg.seq_buckets, cfg.token_buckets))
+    for seqs in range(1, cfg.max_num_seqs + 1):
+        for toks in (seqs, min(cfg.max_num_batched_tokens, seqs * 37), cfg.max_num_batched_tokens):
+            shape = (bucket_for(cfg.seq_buckets, seqs), bucket_for(cfg.token_buckets, toks))
+            assert shape in shapes
+
+
+def test_shape_tracker_reports_shapes_new_after_warmup() -> None:
+    t = ShapeTracker()
+    t.record((1, 16))
+    t.mark_warm()
+    t.record((1, 16))
+    assert t.after_warmup == set()
+    t.record((2, 32))
+    assert t.after_warmup == {(2, 32)}
+
+
+def test_config_refuses_clashing_values_naming_both() -> None:
+    with pytest.raises(ConfigError, match="max_num_seqs=512"):
+        EngineConfig(max_num_seqs=512)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=8 < max_num_seqs"):
+        EngineConfig(max_num_batched_tokens=8, max_num_seqs=16, seq_buckets=(16,))
