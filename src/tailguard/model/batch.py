@@ -25,9 +25,13 @@ NULL_BLOCK = 0  # reserved scratch block: padding writes land here, padded table
 class AttnGroup:
     """G sequences attended together, queries padded to Q per sequence."""
 
-    token_index: torch.Tensor  # [G, Q] int64: flat token index of each query; padding -> T (the pad row)
+    token_index: (
+        torch.Tensor
+    )  # [G, Q] int64: flat token index of each query; padding -> T (the pad row)
     block_tables: torch.Tensor  # [G, B] int64: cache blocks of each sequence, padding -> NULL_BLOCK
-    context_lens: torch.Tensor  # [G] int64: tokens in cache after this step's writes (>= 1 for padding rows)
+    context_lens: (
+        torch.Tensor
+    )  # [G] int64: tokens in cache after this step's writes (>= 1 for padding rows)
     query_start: torch.Tensor  # [G] int64: position of the first new token (= context_len - q_len)
 
 
@@ -35,5 +39,7 @@ class AttnGroup:
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64, padding = 0
     positions: torch.Tensor  # [T] int64 absolute positions, padding = 0
-    slot_mapping: torch.Tensor  # [T] int64 flat cache slot to write each token's K/V; padding -> a slot in NULL_BLOCK
+    slot_mapping: (
+        torch.Tensor
+    )  # [T] int64 flat cache slot to write each token's K/V; padding -> a slot in NULL_BLOCK
     groups: tuple[AttnGroup, ...]  # every real token appears in exactly one group

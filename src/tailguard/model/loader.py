@@ -1,0 +1,170 @@
+"""Load a Hugging Face Mistral checkpoint folder into our MistralModel.
+
+A folder holds `config.json` and either `model.safetensors` or shards listed in
+`model.safetensors.index.json`. Every tensor is checked against the names and shapes the config
+implies before anything is assigned, so a wrong folder fails with the tensor and file named,
+not with a shape error deep inside a matmul.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tailguard.errors import ModelLoadError
+from tailguard.model.config import SUPPORTED_DTYPES, MistralConfig, hf_weight_shapes
+from tailguard.model.mistral import MistralModel
+
+__all__ = ["best_cpu_dtype", "load_model", "resolve_dtype"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+# Tensors some checkpoints carry that are recomputed, not learned (older transformers saved
+# the rotary inverse frequencies). Skipped rather than refused.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """'bfloat16' / 'bf16' / 'float32' / 'auto' ... -> torch dtype; 'auto' = best_cpu_dtype()."""
+    key = name.strip().lower().removeprefix("torch.")
+    if key == "auto":
+        return best_cpu_dtype()
+    if key not in _DTYPES:
+        raise ModelLoadError(
+            f"dtype {name!r} is not supported; use one of {', '.join(SUPPORTED_DTYPES)} or auto",
+            param="dtype",
+        )
+    return _DTYPES[key]
+
+
+def best_cpu_dtype() -> torch.dtype:
+    """bf16 when the CPU multiplies bf16 natively (AVX512-BF16 or AMX), else fp32.
+
+    Without those instructions bf16 matmuls are emulated and slower than fp32.
+    """
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        flags = []
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    return torch.bfloat16 if native and torch.backends.mkldnn.is_available() else torch.float32
+
+
+def load_model(
+    model_dir: Path, dtype: torch.dtype | None = None, device: str = "cpu"
+) -> tuple[MistralModel, MistralConfig]:
+    """Read config and weights, validate every tensor, return (eval-mode model, config).
+
+    dtype: the explicit argument, else the config's `torch_dtype` / `dtype`, else fp32.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(
+            f"model folder {model_dir} does not exist or is not a directory", param="model"
+        )
+    config = MistralConfig.from_dir(model_dir)
+    target = dtype if dtype is not None else resolve_dtype(config.torch_dtype)
+    files = _weight_files(model_dir)
+    tensors = _read_tensors(files, hf_weight_shapes(config), target, config.tie_word_embeddings)
+    # Construct on the meta device: no memory and no random init for parameters the
+    # checkpoint is about to replace (seconds for a 7B model).
+    with torch.device("meta"):
+        model = MistralModel(config)
+    model.load_hf_weights(tensors)
+    model.requires_grad_(False)  # inference only: no autograd bookkeeping even outside no_grad
+    return model.to(device).eval(), config
+
+
+def _weight_files(model_dir: Path) -> dict[str, list[str] | None]:
+    """Map each safetensors file to the tensor names the index assigns it (None: read all)."""
+    index = model_dir / INDEX_FILE
+    single = model_dir / SINGLE_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(
+                f"{index}: cannot read its 'weight_map' ({exc!r}); regenerate the index "
+                "or keep a single model.safetensors"
+            ) from exc
+        shards: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(str(model_dir / shard), []).append(name)
+        for shard in shards:
+            if not Path(shard).is_file():
+                raise ModelLoadError(f"{shard} not found (listed in {index})", param=INDEX_FILE)
+        return dict(shards)
+    if single.is_file():
+        return {str(single): None}
+    raise ModelLoadError(
+        f"no weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE} with its shards "
+        "(only safetensors checkpoints are supported; convert .bin/.pth files first)",
+        param=SINGLE_FILE,
+    )
+
+
+def _read_tensors(
+    files: dict[str, list[str] | None],
+    expected: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    tied: bool,
+) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
+    for file, listed in files.items():
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                names = list(f.keys()) if listed is None else listed
+                present = set(f.keys())
+                for name in names:
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if tied and name == "lm_head.weight":
+                        continue  # transformers ignores a stored head when tying; so do we
+                    if name not in expected:
+                        raise ModelLoadError(
+                            f"{file}: unexpected tensor '{name}'; this does not look like a "
+                            "Mistral checkpoint matching config.json"
+                        )
+                    if name not in present:
+                        raise ModelLoadError(
+                            f"{file}: tensor '{name}' listed in the index is absent"
+                        )
+                    if name in out:
+                        raise ModelLoadError(
+                            f"{file}: tensor '{name}' also stored in {where[name]}"
+                        )
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != expected[name]:
+                        raise ModelLoadError(
+                            f"{file}: tensor '{name}' has shape {list(shape)}, config.json "
+                            f"implies {list(expected[name])}; the config and weights disagree"
+                        )
+                    out[name] = f.get_tensor(name).to(dtype)
+                    where[name] = file
+        except SafetensorError as exc:
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({exc})") from exc
+    missing = [n for n in expected if n not in out]
+    if missing:
+        shown = ", ".join(f"'{n}'" for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ModelLoadError(
+            f"missing tensor {shown}{more} in {', '.join(Path(f).name for f in files)}; "
+            "the checkpoint is incomplete or config.json describes a different model"
+        )
+    return out
