@@ -23,12 +23,17 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/tailguard serve $(ARGS)
 
-# promtool (Debian package `prometheus`) backs the alert-rule tests.
+# promtool (Debian package `prometheus`) backs the alert-rule tests; wrk the load cross-check.
 promtool:
 	@command -v promtool >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    (apt-get install -y -q prometheus >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null)); \
 	  else echo "promtool missing: install the Debian package 'prometheus'"; exit 2; fi; }
+	@# wrk (Debian package `wrk`) backs the load tester's cross-check; its test skips without it.
+	@command -v wrk >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get install -y -q wrk >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q wrk >/dev/null)); \
+	  else echo "wrk missing: install the Debian package 'wrk' (the wrk cross-check test will skip)"; fi; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
