@@ -1,0 +1,296 @@
+"""Overload: 10,000 connections each send one /v1/infer at once; tailguard vs the runbook's server.
+
+Both servers run the same embedded model on this machine, one after the other, under the same
+load: a client in its own process (aiohttp, TCPConnector(limit=0), one connection per request)
+opens N connections and sends one single-pass query on each, all at once. Reported side by side:
+
+* client side: every request's status and latency (whole distribution), connection errors and
+  timeouts (must be zero for tailguard);
+* server side, from /metrics (request read -> response written, exact SLA-bucket ratios):
+  admitted requests within the SLA, and rejections within 10 / 25 ms.
+
+    .venv/bin/python bench/bench_overload.py [--requests 10000] [--sla-ms 150]
+
+Needs root for `sysctl -w net.core.somaxconn=16384` (else 4096 caps the listen backlog).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import resource
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+PROMPT = (
+    "Batch item {i}: classify the following support ticket and return the most likely "
+    "next token. Ticket: the nightly export stalled at step {i} again."
+)
+
+
+# ---- the client (runs in its own process: `bench_overload.py --client URL N TIMEOUT`) ---------
+
+
+async def _client(url: str, n: int, timeout_s: float) -> dict[str, Any]:
+    import aiohttp
+
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)
+    records: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(
+        connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)
+    ) as s:
+
+        async def one(i: int) -> None:
+            rec: dict[str, Any] = {"status": 0, "error": None}
+            try:
+                async with s.post(
+                    url + "/v1/infer", json={"prompt": PROMPT.format(i=i), "top_k": 5}
+                ) as r:
+                    body = await r.read()
+                    rec["status"] = r.status
+                    rec["retry_after"] = r.headers.get("Retry-After")
+                    if r.status == 200:
+                        with contextlib.suppress(Exception):
+                            rec["server_ms"] = json.loads(body)["timing"]["server_ms"]
+            except TimeoutError:
+                rec["error"] = "timeout"
+            except aiohttp.ClientError as e:
+                rec["error"] = type(e).__name__
+            rec["latency_s"] = time.monotonic() - t0  # all intended at t0: no coordinated omission
+            records.append(rec)
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+    return {"wall_s": time.monotonic() - t0, "records": records}
+
+
+# ---- orchestration ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0, ""
+
+
+def wait_ok(url: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if get(url)[0] == 200:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout_s} s")
+
+
+def hist(text: str, name: str, labels: dict[str, str]) -> dict[str, float]:
+    """Bucket counts {le: count} of one labelled histogram series (any label order)."""
+    out: dict[str, float] = {}
+    for m in re.finditer(rf"^{name}_bucket{{([^}}]*)}} (\S+)$", text, re.M):
+        pairs = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if all(pairs.get(k) == v for k, v in labels.items()):
+            out[pairs["le"]] = float(m.group(2))
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))]
+
+
+def run_load(url: str, n: int, timeout_s: float) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--client", url, str(n), str(timeout_s)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return dict(json.loads(out.stdout))
+
+
+def summarize(name: str, res: dict[str, Any], metrics: str, sla_s: float) -> dict[str, Any]:
+    recs = res["records"]
+    lat = [r["latency_s"] * 1e3 for r in recs]
+    statuses = Counter(r["status"] for r in recs if not r["error"])
+    errors = Counter(r["error"] for r in recs if r["error"])
+    ok_lat = [r["latency_s"] * 1e3 for r in recs if r["status"] == 200]
+    rej_lat = [r["latency_s"] * 1e3 for r in recs if r["status"] == 503]
+    s: dict[str, Any] = {
+        "name": name,
+        "wall_s": res["wall_s"],
+        "statuses": dict(statuses),
+        "errors": dict(errors),
+        "n": len(recs),
+        "client_ms": {
+            q: pct(lat, p) for q, p in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))
+        },
+        "client_ok_ms": {
+            "p50": pct(ok_lat, 0.5),
+            "p99": pct(ok_lat, 0.99),
+            "max": pct(ok_lat, 1.0),
+        },
+        "client_503_ms": {
+            "p50": pct(rej_lat, 0.5),
+            "p99": pct(rej_lat, 0.99),
+            "max": pct(rej_lat, 1.0),
+        },
+        "retry_after_present": sum(1 for r in recs if r["status"] == 503 and r["retry_after"]),
+    }
+    server_ms = [r["server_ms"] for r in recs if "server_ms" in r]
+    s["server_ok_ms"] = {
+        "p50": pct(server_ms, 0.5),
+        "p99": pct(server_ms, 0.99),
+        "max": pct(server_ms, 1.0),
+    }
+    ok = hist(metrics, "mistral_inference_latency_seconds", {"endpoint": "infer", "outcome": "ok"})
+    if ok.get("+Inf"):
+        s["server_ok_within_sla"] = ok[_le(sla_s)] / ok["+Inf"]
+    rej = hist(metrics, "tailguard_rejection_seconds", {"reason": "overloaded"})
+    if rej.get("+Inf"):
+        s["server_rejections_within_10ms"] = rej["0.01"] / rej["+Inf"]
+        s["server_rejections_within_25ms"] = rej["0.025"] / rej["+Inf"]
+    return s
+
+
+def _le(sla_s: float) -> str:
+    return repr(float(sla_s)) if sla_s not in (1.0, 5.0, 10.0) else f"{sla_s:.1f}"
+
+
+@contextlib.contextmanager
+def server(cmd: list[str], ready_url: str) -> Any:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ok(ready_url)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--sla-ms", type=float, default=150.0)
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="client timeout per request")
+    ap.add_argument("--skip-naive", action="store_true")
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra `tailguard serve` argument (repeatable), e.g. --server-arg=--engine-threads=1",
+    )
+    ap.add_argument("--client", nargs=3, metavar=("URL", "N", "TIMEOUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.client:
+        url, n, timeout = args.client
+        print(json.dumps(asyncio.run(_client(url, int(n), float(timeout)))))
+        return 0
+
+    r = subprocess.run(["sysctl", "-w", "net.core.somaxconn=16384"], capture_output=True, text=True)
+    print(f"sysctl net.core.somaxconn=16384: {'ok' if r.returncode == 0 else r.stderr.strip()}")
+    py = sys.executable
+    results = []
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with server(
+        [
+            py,
+            "-m",
+            "tailguard.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--sla-ms",
+            str(args.sla_ms),
+            "--log-level",
+            "warning",
+        ],
+        url + "/ready",
+    ):
+        res = run_load(url, args.requests, args.timeout_s)
+        results.append(summarize("tailguard", res, get(url + "/metrics")[1], args.sla_ms / 1e3))
+    if not args.skip_naive:
+        time.sleep(10)  # TIME_WAIT and accept queues drain between heavy runs
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with server(
+            [py, "-m", "tailguard.tools.lab.naive_server", "--port", str(port)], url + "/health"
+        ):
+            res = run_load(url, args.requests, args.timeout_s)
+            results.append(
+                summarize("naive (runbook)", res, get(url + "/metrics")[1], args.sla_ms / 1e3)
+            )
+    report(results, args)
+    return 0
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    def f(x: Any) -> str:
+        if isinstance(x, float):
+            return "-" if x != x else f"{x:.3f}" if x < 10 else f"{x:.0f}"
+        return str(x)
+
+    rows = [
+        ("requests", lambda s: s["n"]),
+        ("wall time (s)", lambda s: s["wall_s"]),
+        ("200 ok", lambda s: s["statuses"].get(200, 0)),
+        ("503 overloaded", lambda s: s["statuses"].get(503, 0)),
+        (
+            "other statuses",
+            lambda s: {k: v for k, v in s["statuses"].items() if k not in (200, 503)} or 0,
+        ),
+        ("connection errors / timeouts", lambda s: s["errors"] or 0),
+        ("503 with Retry-After", lambda s: s["retry_after_present"]),
+        ("client p50 ms (all)", lambda s: s["client_ms"]["p50"]),
+        ("client p90 ms (all)", lambda s: s["client_ms"]["p90"]),
+        ("client p99 ms (all)", lambda s: s["client_ms"]["p99"]),
+        ("client max ms (all)", lambda s: s["client_ms"]["max"]),
+        ("client p99 ms (200)", lambda s: s["client_ok_ms"]["p99"]),
+        ("client max ms (503)", lambda s: s["client_503_ms"]["max"]),
+        ("server p99 ms (200)", lambda s: s["server_ok_ms"]["p99"]),
+        ("server max ms (200)", lambda s: s["server_ok_ms"]["max"]),
+        (f"server 200 within {args.sla_ms:g} ms", lambda s: s.get("server_ok_within_sla", "-")),
+        ("server 503 within 10 ms", lambda s: s.get("server_rejections_within_10ms", "-")),
+        ("server 503 within 25 ms", lambda s: s.get("server_rejections_within_25ms", "-")),
+        ("504 expired (never executed)", lambda s: s["statuses"].get(504, 0)),
+    ]
+    print(
+        f"\n{args.requests} concurrent connections, one POST /v1/infer each, "
+        f"SLA {args.sla_ms:g} ms, {os.cpu_count()} cores"
+    )
+    print(f"{'':32}" + "".join(f"{s['name']:>20}" for s in results))
+    for label, fn in rows:
+        print(f"{label:32}" + "".join(f"{f(fn(s)):>20}" for s in results))
+    print("\njson: " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,299 @@
+"""`ServerConfig`: every `tailguard serve` setting, typed and validated at construction.
+
+One flat namespace of settings, the same in three places: the TOML file (`--config`, flat keys,
+no tables), the command line flags (`--sla-ms 150` for `sla_ms`), and `--print-config` (JSON).
+Engine settings (`EngineConfig`) live in the same namespace; the engine's `threads`, `seed` and
+`model_dir` are spelled `engine_threads`, `engine_seed` and `model` there.
+Precedence: defaults < file < flags. The attribute docstrings below are the documentation:
+`--help` and `docs/server.md` are generated from them.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import itertools
+import os
+import tomllib
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from tailguard.core.admission import AdmissionConfig
+from tailguard.engine.config import EngineConfig
+from tailguard.errors import ConfigError
+
+__all__ = ["ENGINE_ALIASES", "ServerConfig", "field_docs", "load_config"]
+
+# ServerConfig-namespace name -> EngineConfig field name, where they differ.
+ENGINE_ALIASES = {"model": "model_dir", "engine_threads": "threads", "engine_seed": "seed"}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """Bind address. Loopback by default; binding elsewhere (e.g. 0.0.0.0) must be explicit."""
+    port: int = 8000
+    """TCP port (0: pick a free port and print it)."""
+    sla_ms: float = 150.0
+    """Default deadline of a request (ms): completion for /v1/infer and /v1/embeddings, first
+    token for completions and chat."""
+    max_deadline_ms: float = 60_000.0
+    """Cap on a client-chosen deadline (X-Request-Timeout-Ms header or `timeout` field)."""
+    default_priority: str = "interactive"
+    """Priority of a request that names none (X-Priority header / `priority` field):
+    interactive or batch."""
+    engine: str = "real"
+    """Which engine answers: real (the model in its own process), stub (instant answers, for
+    front-end benchmarks) or simulated (a timed queue without a model, for tests)."""
+    model_name: str | None = None
+    """Model id served under /v1/models and accepted in `model` (default: the model folder's name,
+    or tailguard-embedded)."""
+    api_key: str | None = None
+    """If set, every /v1 request needs `Authorization: Bearer <key>` (else 401). Also read from
+    the TAILGUARD_API_KEY environment variable."""
+    http_server: str = "uvicorn"
+    """HTTP server: uvicorn (uvloop + httptools, with connection metrics)."""
+    backlog: int = 16384
+    """listen() backlog. The kernel caps it at net.core.somaxconn; raise that too for bursts."""
+    keepalive_timeout_s: int = 75
+    """Idle keep-alive timeout; longer than load balancers' idle timeouts (often 60 s) so the
+    server never closes a connection a proxy is about to reuse."""
+    max_body_bytes: int = 1_048_576
+    """Largest request body accepted (413 beyond it)."""
+    ssl_certfile: str | None = None
+    """TLS certificate (PEM); TLS is on when both certfile and keyfile are set."""
+    ssl_keyfile: str | None = None
+    """TLS private key (PEM)."""
+    max_queued_requests: int = 2048
+    """Hard cap on admitted, unanswered requests (backs the deadline prediction)."""
+    max_queued_tokens: int = 262_144
+    """Hard cap on admitted, unprocessed tokens (prompt + remaining output)."""
+    batch_share: float = 0.8
+    """Share of the queue caps batch-priority requests may use; the rest is kept for
+    interactive requests."""
+    admission_safety_margin: float = 0.85
+    """Admit only when the predicted time uses at most this share of the time to deadline."""
+    cache_max_entries: int = 10_000
+    """Degradation cache: most responses kept (0 disables the cache)."""
+    cache_max_bytes: int = 64 * 1024 * 1024
+    """Degradation cache: most bytes of response bodies kept."""
+    client_quota_rps: float = 0.0
+    """Per-client request quota (requests/s; 0: no quota). A client over it gets 429. The client
+    is the API key if one is sent, else X-Client-Id, else the peer address."""
+    client_quota_burst: int = 100
+    """Per-client quota burst size (requests)."""
+    simulated_tokens_per_s: float = 20_000.0
+    """--engine simulated: tokens processed per second (in steps of max_num_batched_tokens)."""
+    simulated_step_overhead_ms: float = 2.0
+    """--engine simulated: fixed cost of every step (ms)."""
+    handlers_per_iteration: int = 64
+    """Most /v1 request handlers started per event-loop iteration (bounds how long answers for
+    admitted requests wait behind a burst of new arrivals)."""
+    loop_lag_interval_ms: float = 50.0
+    """Event-loop lag probe period (ms)."""
+    access_log: bool = False
+    """Log every request (costly at high request rates)."""
+    log_level: str = "info"
+    """debug, info, warning or error."""
+    engine_config: EngineConfig = field(default_factory=EngineConfig)
+    """Engine settings (flat names: max_num_seqs, max_num_batched_tokens, engine_threads, ...)."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        need(0 <= self.port <= 65535, f"port={self.port}: must be in 0..65535")
+        need(self.sla_ms > 0, f"sla_ms={self.sla_ms}: must be > 0 (e.g. 150)")
+        need(
+            self.max_deadline_ms >= self.sla_ms,
+            f"max_deadline_ms={self.max_deadline_ms} < sla_ms={self.sla_ms}: raise the cap",
+        )
+        need(
+            self.default_priority in ("interactive", "batch"),
+            f"default_priority={self.default_priority!r}: use interactive or batch",
+        )
+        need(
+            self.engine in ("real", "stub", "simulated"),
+            f"engine={self.engine!r}: use real, stub or simulated",
+        )
+        need(self.http_server == "uvicorn", f"http_server={self.http_server!r}: use uvicorn")
+        need(self.backlog >= 1, f"backlog={self.backlog}: must be >= 1")
+        need(
+            self.keepalive_timeout_s >= 1,
+            f"keepalive_timeout_s={self.keepalive_timeout_s}: must be >= 1 (default 75)",
+        )
+        need(self.max_body_bytes >= 1024, f"max_body_bytes={self.max_body_bytes}: must be >= 1024")
+        need(
+            (self.ssl_certfile is None) == (self.ssl_keyfile is None),
+            "ssl_certfile and ssl_keyfile go together: set both for TLS, or neither",
+        )
+        need(
+            self.cache_max_entries >= 0 and self.cache_max_bytes >= 0,
+            "cache_max_entries and cache_max_bytes must be >= 0",
+        )
+        need(
+            self.client_quota_rps >= 0 and self.client_quota_burst >= 1,
+            "client_quota_rps must be >= 0 and client_quota_burst >= 1",
+        )
+        need(
+            self.simulated_tokens_per_s > 0 and self.simulated_step_overhead_ms >= 0,
+            "simulated_tokens_per_s must be > 0 and simulated_step_overhead_ms >= 0",
+        )
+        need(self.loop_lag_interval_ms > 0, "loop_lag_interval_ms must be > 0")
+        need(
+            self.handlers_per_iteration >= 1,
+            f"handlers_per_iteration={self.handlers_per_iteration}: must be >= 1",
+        )
+        need(
+            self.log_level in ("debug", "info", "warning", "error"),
+            f"log_level={self.log_level!r}: use debug, info, warning or error",
+        )
+        try:
+            self.admission()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def admission(self) -> AdmissionConfig:
+        e = self.engine_config
+        return AdmissionConfig(
+            max_queued_requests=self.max_queued_requests,
+            max_queued_tokens=self.max_queued_tokens,
+            max_num_batched_tokens=e.max_num_batched_tokens,
+            max_num_seqs=e.max_num_seqs,
+            batch_share=self.batch_share,
+            safety_margin=self.admission_safety_margin,
+        )
+
+    @property
+    def served_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        if self.engine_config.model_dir:
+            return Path(self.engine_config.model_dir).name
+        return "tailguard-embedded"
+
+    def to_flat(self) -> dict[str, Any]:
+        """The effective settings as one flat JSON-able dict (the api key masked)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name != "engine_config":
+                out[f.name] = getattr(self, f.name)
+        if out["api_key"]:
+            out["api_key"] = "***"
+        inverse = {v: k for k, v in ENGINE_ALIASES.items()}
+        for f in dataclasses.fields(self.engine_config):
+            value = getattr(self.engine_config, f.name)
+            out[inverse.get(f.name, f.name)] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+# ---- settings namespace ---------------------------------------------------------------------
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass (the string literal after each field)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in itertools.pairwise(body):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docs[prev.target.id] = " ".join(node.value.value.split())
+    return docs
+
+
+# EngineConfig fields that carry no docstring there (the engine's file is not ours to edit).
+_UNDOCUMENTED_ENGINE_FIELDS = {
+    "seed": "Engine RNG seed for sampling without a per-request seed.",
+}
+
+
+def settings() -> dict[str, tuple[type, str, Any, str]]:
+    """name -> (owner class, type annotation text, default, doc) for every setting."""
+    out: dict[str, tuple[type, str, Any, str]] = {}
+    inverse = {v: k for k, v in ENGINE_ALIASES.items()}
+    for cls in (ServerConfig, EngineConfig):
+        docs = field_docs(cls)
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            if f.name == "engine_config":
+                continue
+            name = inverse.get(f.name, f.name) if cls is EngineConfig else f.name
+            doc = docs.get(f.name) or _UNDOCUMENTED_ENGINE_FIELDS.get(f.name, "")
+            out[name] = (cls, str(f.type), getattr(defaults, f.name), doc)
+    return out
+
+
+def convert(name: str, type_text: str, value: Any) -> Any:
+    """Coerce a TOML value or a flag string to the setting's type; say which setting is wrong."""
+    optional = "None" in type_text
+    base = type_text.replace("| None", "").strip()
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("", "none")):
+        if optional:
+            return None
+        raise ConfigError(f"{name}: a value is required")
+    try:
+        if base.startswith("tuple"):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(int(x) for x in items)
+        if base == "bool":
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if base == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if base == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r}: expected {type_text}") from None
+
+
+def load_config(path: str | None, overrides: dict[str, Any]) -> ServerConfig:
+    """Defaults < TOML file < overrides (already-typed values from flags; None = not given)."""
+    known = settings()
+    values: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found: check --config") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+        for key, value in data.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise ConfigError(
+                    f"config file {path}: unknown setting {key!r}; "
+                    "see `tailguard serve --help` or docs/server.md"
+                )
+            values[name] = convert(name, known[name][1], value)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if "api_key" not in values and os.environ.get("TAILGUARD_API_KEY"):
+        values["api_key"] = os.environ["TAILGUARD_API_KEY"]
+    server_kw: dict[str, Any] = {}
+    engine_kw: dict[str, Any] = {}
+    for name, value in values.items():
+        owner = known[name][0]
+        if owner is EngineConfig:
+            engine_kw[ENGINE_ALIASES.get(name, name)] = value
+        else:
+            server_kw[name] = value
+    return ServerConfig(engine_config=EngineConfig(**engine_kw), **server_kw)

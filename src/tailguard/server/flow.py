@@ -1,0 +1,257 @@
+"""The request path shared by every /v1 endpoint.
+
+`admit` (deadline + priority -> admission decision; OverloadedError at once when it would be
+late), `outputs`/`single` (engine outputs; closing early aborts the engine request), and `answer`
+(on overload or OOM fall back to the degradation cache; store deterministic answers). Once a
+request reaches the engine, a watcher cancels its handler if the client disconnects, which
+closes the engine iterator and so aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import orjson
+
+from tailguard.core.request import EngineOutput, EngineRequest, FinishReason, Priority, RequestKind
+from tailguard.errors import (
+    ContextLengthError,
+    DeadlineExpiredError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    NotFoundError,
+    OutOfMemoryRequestError,
+    OverloadedError,
+    TailguardError,
+)
+
+if TYPE_CHECKING:
+    from tailguard.server.app import App, Call
+
+__all__ = [
+    "JSON",
+    "Admitted",
+    "admit",
+    "answer",
+    "cache_key",
+    "check_context",
+    "check_ids",
+    "check_model",
+    "deadline",
+    "new_id",
+    "outputs",
+    "priority",
+    "single",
+]
+
+JSON = [(b"content-type", b"application/json")]
+_ids = itertools.count()
+_PREFIX = os.urandom(4).hex()
+
+
+def new_id(kind: str) -> str:
+    return f"{kind}-{_PREFIX}{next(_ids):x}"
+
+
+def check_model(app: App, name: str | None) -> None:
+    if name is not None and name != app.model_name:
+        raise NotFoundError(
+            f"model {name!r} is not served here; this server serves {app.model_name!r} "
+            "(see GET /v1/models)",
+            param="model",
+        )
+
+
+def deadline(app: App, call: Call, timeout_s: float | None) -> float:
+    """Monotonic deadline: X-Request-Timeout-Ms, else the `timeout` field, else the SLA; capped."""
+    cfg = app.config
+    ms = cfg.sla_ms
+    raw = call.header(b"x-request-timeout-ms")
+    if raw is not None:
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = -1.0
+        if not ms > 0:
+            raise InvalidRequestError(
+                f"X-Request-Timeout-Ms: {raw!r} is not a positive number of milliseconds",
+                param="X-Request-Timeout-Ms",
+            )
+    elif timeout_s is not None:
+        ms = timeout_s * 1e3
+    return call.t_read + min(ms, cfg.max_deadline_ms) / 1e3
+
+
+def priority(app: App, call: Call, field: str | None) -> Priority:
+    name = call.header(b"x-priority") or field or app.config.default_priority
+    if name == "interactive":
+        return Priority.INTERACTIVE
+    if name == "batch":
+        return Priority.BATCH
+    raise InvalidRequestError(f"X-Priority: {name!r}; use interactive or batch", param="X-Priority")
+
+
+def check_ids(app: App, ids: list[int], param: str) -> tuple[int, ...]:
+    vocab = app.model.tokenizer.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"{param}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param=param
+        )
+    return tuple(ids)
+
+
+def check_context(app: App, prompt: int, max_tokens: int, param: str) -> None:
+    ctx = app.model.max_model_len
+    if prompt + max_tokens > ctx:
+        raise ContextLengthError(
+            f"prompt has {prompt} tokens and max_tokens is {max_tokens}: {prompt + max_tokens} > "
+            f"the model's context of {ctx} tokens; shorten the prompt or lower max_tokens",
+            param=param,
+        )
+
+
+def cache_key(call: Call, endpoint: str, req: msgspec.Struct, deterministic: bool) -> bytes | None:
+    cc = (call.header(b"cache-control") or "").lower()
+    if not deterministic or ("no-cache" in cc and "no-store" in cc):
+        return None
+    d = msgspec.to_builtins(req)
+    for volatile in ("timeout", "priority", "user", "stream", "stream_options"):
+        d.pop(volatile, None)
+    return endpoint.encode() + b":" + orjson.dumps(d, option=orjson.OPT_SORT_KEYS)
+
+
+@dataclass
+class Admitted:
+    request: EngineRequest
+    release: Callable[[], None]
+
+
+def admit(
+    app: App,
+    call: Call,
+    *,
+    ids: tuple[int, ...],
+    kind: RequestKind,
+    deadline_s: float,
+    priority: Priority,
+    output_tokens: int = 0,
+    **fields: Any,
+) -> Admitted:
+    """Admission decision; raises OverloadedError (503 + Retry-After) if it would be late."""
+    app.require_engine()
+    rid = new_id(kind.name.lower())
+    now = time.monotonic()
+    d = app.admission.decide(
+        rid,
+        now_s=now,
+        deadline_s=deadline_s,
+        prompt_tokens=len(ids),
+        output_tokens=output_tokens,
+        priority=priority,
+        single_pass=kind != RequestKind.GENERATE,
+    )
+    if not d.admitted:
+        raise OverloadedError(
+            f"server overloaded: {d.reason}; retry after {d.retry_after_s:.1f} s",
+            retry_after_s=d.retry_after_s,
+        )
+    req = EngineRequest(
+        request_id=rid,
+        prompt_token_ids=ids,
+        kind=kind,
+        priority=priority,
+        deadline_s=d.engine_deadline_s,
+        arrival_s=call.t_read,
+        **fields,
+    )
+    return Admitted(req, lambda: app.admission.release(rid))
+
+
+def raise_for(out: EngineOutput) -> None:
+    """Turn a failed final output into the error the client gets."""
+    if out.finish_reason == FinishReason.EXPIRED:
+        raise DeadlineExpiredError(
+            "the request waited past its deadline and was never executed; retry later or "
+            "allow a longer deadline (X-Request-Timeout-Ms)"
+        )
+    if out.finish_reason == FinishReason.ABORTED:
+        raise EngineUnavailableError("the engine aborted the request (shutting down?); retry")
+    if out.finish_reason == FinishReason.ERROR:
+        msg = out.error or "engine error"
+        if "memory" in msg.lower():
+            raise OutOfMemoryRequestError(msg)
+        raise TailguardError(msg)
+
+
+async def outputs(app: App, call: Call, adm: Admitted) -> AsyncGenerator[EngineOutput, None]:
+    """Engine outputs of one admitted request; closing early aborts it in the engine.
+
+    Consume it inside `contextlib.aclosing`: leaving an async generator un-closed defers its
+    `finally` (abort, ledger release) to garbage collection.
+    """
+    call.watch_disconnect()  # from here on the engine holds resources for this client
+    agen = app.engine.submit(adm.request)
+    try:
+        async for out in agen:
+            app.admission.progress(
+                adm.request.request_id, prefill_done=True, output_tokens_done=len(out.new_token_ids)
+            )
+            if out.finish_reason is not None and out.finish_reason not in (
+                FinishReason.STOP,
+                FinishReason.LENGTH,
+                FinishReason.DONE,
+            ):
+                raise_for(out)
+            if out.finished:
+                adm.release()  # before the yield: a consumer may stop at the final output
+            yield out
+            if out.finished:
+                return
+    finally:
+        adm.release()
+        await agen.aclose()  # type: ignore[attr-defined]
+
+
+async def single(app: App, call: Call, adm: Admitted) -> EngineOutput:
+    """The one output of a single-pass request (the hot path of /v1/infer: no extra generator)."""
+    call.watch_disconnect()
+    agen = app.engine.submit(adm.request)
+    try:
+        async for out in agen:
+            if out.finished:
+                adm.release()
+                if out.finish_reason != FinishReason.DONE:
+                    raise_for(out)
+                app.metrics.queue_for(adm.request.priority).observe(out.queue_s)
+                return out
+    finally:
+        adm.release()
+        await agen.aclose()  # type: ignore[attr-defined]
+    raise EngineUnavailableError("the engine closed the request without an answer; retry")
+
+
+async def answer(
+    app: App, call: Call, key: bytes | None, compute: Callable[[], Awaitable[bytes]]
+) -> None:
+    """Compute and send a JSON answer; degrade to the cache on overload or OOM."""
+    cc = (call.header(b"cache-control") or "").lower()
+    try:
+        body: bytes = await compute()
+    except (OverloadedError, OutOfMemoryRequestError) as e:
+        cached = app.cache.get(key) if key is not None and "no-cache" not in cc else None
+        if cached is None:
+            raise
+        app.metrics.cache_hits.labels("overload" if isinstance(e, OverloadedError) else "oom").inc()
+        call.outcome = "cache_hit"
+        await call.respond(200, cached, [*JSON, (b"x-tailguard-cache", b"hit")])
+        return
+    if key is not None and "no-store" not in cc:
+        app.cache.put(key, body)
+    await call.respond(200, body)

@@ -1,0 +1,170 @@
+"""The /v1 endpoints: validate, tokenize, admit, run in the engine, answer in OpenAI shape.
+
+Each endpoint is `(app, call) -> None`; the shared request path (admission, engine outputs,
+disconnect watch, degradation cache) is in flow.py, generation (completions, chat, SSE) in
+generate.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from array import array
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from tailguard.core.request import Pooling, RequestKind
+from tailguard.errors import InvalidRequestError, OverloadedError
+from tailguard.server import flow
+from tailguard.server.generate import run_generation
+from tailguard.server.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    InferRequest,
+    decode,
+)
+
+if TYPE_CHECKING:
+    from tailguard.server.app import App, Call
+
+__all__ = ["chat", "completions", "embeddings", "infer"]
+
+
+# ---- /v1/infer --------------------------------------------------------------------------------
+
+
+async def infer(app: App, call: Call) -> None:
+    req = decode(call.body, InferRequest)
+    flow.check_model(app, req.model)
+    if (req.prompt is None) == (req.input_ids is None):
+        raise InvalidRequestError(
+            "give exactly one of `prompt` (string) or `input_ids`", param="prompt"
+        )
+    if req.top_k == 0 and not req.embedding:
+        raise InvalidRequestError(
+            "nothing to return: set top_k >= 1 and/or embedding: true", param="top_k"
+        )
+    tok = app.model.tokenizer
+    if req.prompt is not None:
+        ids = tuple(tok.encode(req.prompt, add_bos=True))
+    else:
+        ids = flow.check_ids(app, req.input_ids or [], "input_ids")
+    flow.check_context(app, len(ids), 0, "prompt" if req.prompt is not None else "input_ids")
+    deadline = flow.deadline(app, call, req.timeout)
+    priority = flow.priority(app, call, req.priority)
+
+    async def compute() -> bytes:
+        adm = flow.admit(
+            app,
+            call,
+            ids=ids,
+            kind=RequestKind.SCORE,
+            deadline_s=deadline,
+            priority=priority,
+            top_k=req.top_k,
+            want_embedding=req.embedding,
+            pooling=Pooling.MEAN if req.pooling == "mean" else Pooling.LAST,
+        )
+        out = await flow.single(app, call, adm)
+        body: dict[str, Any] = {
+            "id": adm.request.request_id,
+            "object": "inference",
+            "model": app.model_name,
+            "top_k": [
+                {"token_id": t, "logprob": lp, "token": app.token_text(t)}
+                for t, lp in (out.top_logprobs or [])
+            ],
+            "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids)},
+            "timing": {
+                "queue_ms": round(out.queue_s * 1e3, 3),
+                "compute_ms": round(out.compute_s * 1e3, 3),
+                "server_ms": round((time.monotonic() - call.t_read) * 1e3, 3),
+            },
+        }
+        if req.embedding:
+            body["embedding"] = out.embedding
+        return orjson.dumps(body)
+
+    await flow.answer(app, call, flow.cache_key(call, "infer", req, True), compute)
+
+
+# ---- /v1/embeddings ---------------------------------------------------------------------------
+
+
+async def embeddings(app: App, call: Call) -> None:
+    req = decode(call.body, EmbeddingRequest)
+    flow.check_model(app, req.model)
+    tok = app.model.tokenizer
+    prompts = [
+        tuple(tok.encode(x)) if isinstance(x, str) else flow.check_ids(app, x, "input")
+        for x in req.inputs()
+    ]
+    for p in prompts:
+        flow.check_context(app, len(p), 0, "input")
+    deadline = flow.deadline(app, call, req.timeout)
+    priority = flow.priority(app, call, req.priority)
+
+    async def compute() -> bytes:
+        admitted: list[flow.Admitted] = []
+        try:
+            for ids in prompts:
+                admitted.append(
+                    flow.admit(
+                        app,
+                        call,
+                        ids=ids,
+                        kind=RequestKind.EMBED,
+                        deadline_s=deadline,
+                        priority=priority,
+                    )
+                )
+        except OverloadedError:
+            for a in admitted:  # all or nothing
+                a.release()
+            raise
+        outs = await asyncio.gather(*(flow.single(app, call, a) for a in admitted))
+        data = []
+        for i, out in enumerate(outs):
+            emb = out.embedding or []
+            value: Any = emb
+            if req.encoding_format == "base64":
+                value = base64.b64encode(array("f", emb).tobytes()).decode()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        n = sum(len(p) for p in prompts)
+        return orjson.dumps(
+            {
+                "object": "list",
+                "data": data,
+                "model": app.model_name,
+                "usage": {"prompt_tokens": n, "total_tokens": n},
+            }
+        )
+
+    await flow.answer(app, call, flow.cache_key(call, "embeddings", req, True), compute)
+
+
+# ---- /v1/completions and /v1/chat/completions -------------------------------------------------
+
+
+async def completions(app: App, call: Call) -> None:
+    req = decode(call.body, CompletionRequest)
+    flow.check_model(app, req.model)
+    if isinstance(req.prompt, str):
+        ids = tuple(app.model.tokenizer.encode(req.prompt, add_bos=True))
+    else:
+        ids = flow.check_ids(app, req.prompt, "prompt")
+    await run_generation(app, call, req, ids, chat=False)
+
+
+async def chat(app: App, call: Call) -> None:
+    req = decode(call.body, ChatRequest)
+    flow.check_model(app, req.model)
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        ids = tuple(app.model.tokenizer.apply_chat_template(messages))
+    except (ValueError, KeyError, TypeError) as e:
+        raise InvalidRequestError(f"messages: {e}", param="messages") from None
+    await run_generation(app, call, req, ids, chat=True)

@@ -1,0 +1,271 @@
+"""The one module that imports prometheus_client: plain figures in, Prometheus text out.
+
+Names and labels are the contract in docs/metrics.md. Latency histograms use the SLA buckets so
+an SLA check is an exact bucket ratio (`bucket{le="0.15"} / count`), never histogram_quantile.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tailguard.core.stats import EngineStats, StepStats
+
+__all__ = ["CONTENT_TYPE", "SLA_BUCKETS", "ServerMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+SLA_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.125,
+    0.15,
+    0.18,
+    0.2,
+    0.25,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_CONN_BUCKETS = (1, 2, 5, 10, 100, 1000, 10_000, 100_000)
+
+
+class ServerMetrics:
+    def __init__(self, sla_s: float, max_num_seqs: int) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.latency = Histogram(
+            "mistral_inference_latency_seconds",
+            "End-to-end server time, request read -> response written",
+            ["endpoint", "outcome"],
+            buckets=SLA_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "tailguard_queue_seconds",
+            "Arrival -> first scheduled",
+            ["priority"],
+            buckets=SLA_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "tailguard_time_to_first_token_seconds",
+            "Arrival -> first output token",
+            ["endpoint"],
+            buckets=SLA_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "tailguard_time_per_output_token_seconds",
+            "Mean inter-token time per finished generation",
+            buckets=SLA_BUCKETS,
+            registry=r,
+        )
+        self.rejection_s = Histogram(
+            "tailguard_rejection_seconds",
+            "Server time of rejections",
+            ["reason"],
+            buckets=SLA_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "tailguard_requests", "Requests answered", ["endpoint", "outcome"], registry=r
+        )
+        self.rejections = Counter(
+            "tailguard_rejections", "Requests refused", ["reason"], registry=r
+        )
+        self.cache_hits = Counter(
+            "tailguard_cache_hits", "Answered from the degradation cache", ["reason"], registry=r
+        )
+        self.waiting = Gauge("tailguard_requests_waiting", "Queued in the engine", registry=r)
+        self.running = Gauge("tailguard_requests_running", "Running in the engine", registry=r)
+        self.in_flight = Gauge(
+            "tailguard_requests_in_flight", "Admitted, not yet answered", registry=r
+        )
+        self.batch_size = Histogram(
+            "tailguard_batch_size", "Sequences per engine step", buckets=_SIZE_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "tailguard_batch_tokens", "Tokens per engine step", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.max_num_seqs = Gauge("tailguard_max_num_seqs", "Engine batch capacity", registry=r)
+        self.step_s = Histogram(
+            "tailguard_engine_step_seconds",
+            "Engine step wall time",
+            buckets=SLA_BUCKETS,
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "tailguard_kv_cache_usage_ratio", "Used / total KV blocks", registry=r
+        )
+        self.kv_total = Gauge(
+            "tailguard_kv_cache_blocks_total", "KV blocks in the pool", registry=r
+        )
+        self.preemptions = Counter("tailguard_preemptions", "Sequences preempted", registry=r)
+        self.expired = Counter("tailguard_expired", "Dropped unexecuted after deadline", registry=r)
+        self.oom_retries = Counter("tailguard_oom_retries", "Batch splits after OOM", registry=r)
+        self.oom_failures = Counter("tailguard_oom_failures", "Failed: OOM even alone", registry=r)
+        self.restarts = Counter("tailguard_engine_restarts", "Engine process restarts", registry=r)
+        self.engine_up = Gauge(
+            "tailguard_engine_up", "1 when the engine is alive and warm", registry=r
+        )
+        self.shapes = Gauge("tailguard_forward_shapes", "Distinct forward shapes", registry=r)
+        self.kv_allocs = Counter("tailguard_kv_allocations", "KV tensors allocated", registry=r)
+        self.loop_lag = Histogram(
+            "tailguard_event_loop_lag_seconds",
+            "HTTP event-loop lag",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+        self.gc_pause = Counter("tailguard_gc_pause_seconds", "Time in GC", ["process"], registry=r)
+        self.conn_opened = Counter(
+            "tailguard_connections_opened", "TCP connections accepted", registry=r
+        )
+        self.conn_active = Gauge("tailguard_connections_active", "Open TCP connections", registry=r)
+        self.req_per_conn = Histogram(
+            "tailguard_requests_per_connection",
+            "Requests per closed connection",
+            buckets=_CONN_BUCKETS,
+            registry=r,
+        )
+        self.cpu = Counter("tailguard_process_cpu_seconds", "CPU time", ["process"], registry=r)
+        self.rss = Gauge("tailguard_process_resident_memory_bytes", "RSS", ["process"], registry=r)
+        self.threads = Gauge(
+            "tailguard_compute_threads", "Intra-op threads", ["process"], registry=r
+        )
+        self.alloc_reserved = Gauge(
+            "tailguard_allocator_reserved_bytes", "CUDA reserved", registry=r
+        )
+        self.alloc_allocated = Gauge(
+            "tailguard_allocator_allocated_bytes", "CUDA allocated", registry=r
+        )
+        self.alloc_inactive = Gauge(
+            "tailguard_allocator_inactive_split_bytes", "CUDA inactive split bytes", registry=r
+        )
+        self.alloc_retries = Counter(
+            "tailguard_allocator_alloc_retries", "CUDA alloc retries", registry=r
+        )
+        self.alloc_ooms = Counter("tailguard_allocator_ooms", "CUDA OOMs", registry=r)
+        self.alloc_device = Counter(
+            "tailguard_allocator_device_allocs", "cudaMalloc calls", registry=r
+        )
+        self.sla = Gauge("tailguard_sla_seconds", "Configured SLA", registry=r)
+        self.sla.set(sla_s)
+        self.max_num_seqs.set(max_num_seqs)
+        self.threads.labels("server").set(1)
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._queue_children: dict[Any, Any] = {}
+        self._last_step_t = 0.0
+        self._engine_totals: dict[str, float] = {}
+        self._server_cpu = 0.0
+        self._gc_start = 0.0
+        self._gc_pending_s = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    # ---- per request ------------------------------------------------------------------------
+    def queue_for(self, priority: Any) -> Any:
+        child = self._queue_children.get(priority)
+        if child is None:
+            child = self._queue_children[priority] = self.queue.labels(priority.name.lower())
+        return child
+
+    def answered(self, endpoint: str, outcome: str, seconds: float) -> None:
+        pair = self._children.get((endpoint, outcome))
+        if pair is None:  # label lookup is the costly part of an observation: cache children
+            pair = (self.latency.labels(endpoint, outcome), self.requests.labels(endpoint, outcome))
+            self._children[(endpoint, outcome)] = pair
+        pair[0].observe(seconds)
+        pair[1].inc()
+
+    def rejected(self, reason: str, seconds: float) -> None:
+        self.rejections.labels(reason).inc()
+        self.rejection_s.labels(reason).observe(seconds)
+
+    # ---- the GC callback: time every collection in this process -----------------------------
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        # Only plain arithmetic here: a collection can start while this thread holds a
+        # prometheus_client lock (any allocation may trigger GC), and taking that lock again
+        # from the callback deadlocks. render() moves the total into the counter.
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start:
+            self._gc_pending_s += time.perf_counter() - self._gc_start
+            self._gc_start = 0.0
+
+    # ---- engine snapshot --------------------------------------------------------------------
+    def _counter_to(self, key: str, counter: Any, total: float) -> None:
+        """Advance a counter to an engine-side cumulative total (a restart resets the engine's)."""
+        prev = self._engine_totals.get(key, 0.0)
+        counter.inc(total - prev if total >= prev else total)
+        self._engine_totals[key] = total
+
+    def observe_engine(self, s: EngineStats, *, ready: bool, restarts: int) -> list[StepStats]:
+        """Update from a snapshot; returns the steps not seen in earlier snapshots."""
+        new = [step for step in s.recent_steps if step.t_s > self._last_step_t]
+        for step in new:
+            self._last_step_t = step.t_s
+            self.batch_size.observe(step.num_seqs)
+            self.batch_tokens.observe(step.num_tokens)
+            self.step_s.observe(step.step_s)
+        self.waiting.set(s.waiting)
+        self.running.set(s.running)
+        self.engine_up.set(1 if ready else 0)
+        self.kv_total.set(s.kv_blocks_total)
+        self.kv_usage.set(s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        self.shapes.set(s.distinct_shapes)
+        if s.max_num_seqs:
+            self.max_num_seqs.set(s.max_num_seqs)
+        self._counter_to("preemptions", self.preemptions, s.preemptions_total)
+        self._counter_to("expired", self.expired, s.expired_total)
+        self._counter_to("oom_retries", self.oom_retries, s.oom_retries_total)
+        self._counter_to("oom_failures", self.oom_failures, s.oom_failures_total)
+        self._counter_to("kv_allocs", self.kv_allocs, s.kv_allocations_total)
+        self._counter_to("restarts", self.restarts, restarts)
+        self._counter_to("engine_gc", self.gc_pause.labels("engine"), s.gc_pause_s_total)
+        self._counter_to("engine_cpu", self.cpu.labels("engine"), s.cpu_seconds_total)
+        self.rss.labels("engine").set(s.allocator.rss_bytes)
+        self.threads.labels("engine").set(s.intra_op_threads)
+        a = s.allocator
+        self.alloc_reserved.set(a.reserved_bytes)
+        self.alloc_allocated.set(a.allocated_bytes)
+        self.alloc_inactive.set(a.inactive_split_bytes)
+        self._counter_to("alloc_retries", self.alloc_retries, a.num_alloc_retries)
+        self._counter_to("alloc_ooms", self.alloc_ooms, a.num_ooms)
+        self._counter_to("alloc_device", self.alloc_device, a.num_device_alloc)
+        return new
+
+    def render(self) -> bytes:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = ru.ru_utime + ru.ru_stime
+        self.cpu.labels("server").inc(max(cpu - self._server_cpu, 0.0))
+        self._server_cpu = cpu
+        self.rss.labels("server").set(_rss_bytes())
+        pending, self._gc_pending_s = self._gc_pending_s, 0.0
+        self.gc_pause.labels("server").inc(pending)
+        return generate_latest(self.registry)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # pragma: no cover - non-Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

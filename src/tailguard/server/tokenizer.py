@@ -1,0 +1,82 @@
+"""The tokenizer the HTTP process uses (tokenization happens here, never in the engine).
+
+The real one comes from `tailguard.model.tokenizer.load_tokenizer` (SentencePiece / Tekken via
+mistral-common; no torch). The stub and simulated engines, when no `--model` is given, use
+`SimpleTokenizer`: UTF-8 bytes shifted by 3 (0 pad, 1 BOS, 2 EOS), so server tests need neither a
+checkpoint nor a tokenizer file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = ["ModelInfo", "SimpleTokenizer", "Tokenizer", "load_model_info"]
+
+
+class Tokenizer(Protocol):
+    @property
+    def bos_id(self) -> int: ...
+    @property
+    def eos_id(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+
+class SimpleTokenizer:
+    """Byte-level tokenizer for model-free engines (ids 3..258 are the bytes 0..255)."""
+
+    bos_id = 1
+    eos_id = 2
+    vocab_size = 259
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = [b + 3 for b in text.encode("utf-8")]
+        return [self.bos_id, *ids] if add_bos else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        # Mistral's v1 layout, good enough for a model-free engine.
+        text = "".join(
+            f"[INST] {m['content']} [/INST]" if m["role"] != "assistant" else f" {m['content']}"
+            for m in messages
+        )
+        return self.encode(text)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    tokenizer: Tokenizer
+    max_model_len: int  # prompt + output tokens the model accepts
+    model_dir: str | None  # None: no checkpoint (simple tokenizer)
+
+
+def load_model_info(
+    model_dir: str | None, *, need_model: bool, max_model_len: int | None
+) -> ModelInfo:
+    """Tokenizer and context length for the served model.
+
+    need_model=False (stub/simulated engines) and no model_dir: the simple byte tokenizer and a
+    4096-token context. Otherwise the checkpoint's tokenizer and max_position_embeddings
+    (`max_model_len` from the engine config overrides it).
+    """
+    if model_dir is None and not need_model:
+        return ModelInfo(SimpleTokenizer(), max_model_len or 4096, None)
+    from tailguard.model.config import MistralConfig
+    from tailguard.model.tokenizer import load_tokenizer
+
+    if model_dir is None:
+        from tailguard.model.embedded import default_model_dir
+
+        model_dir = str(default_model_dir())
+    cfg = MistralConfig.from_dir(Path(model_dir))
+    ctx = int(cfg.max_position_embeddings)
+    if max_model_len is not None:
+        ctx = min(ctx, max_model_len)
+    return ModelInfo(load_tokenizer(Path(model_dir)), ctx, model_dir)

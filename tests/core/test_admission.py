@@ -1,0 +1,135 @@
+"""Admission policy stepped by hand: no clock, no HTTP, no engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from tailguard.core.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    StepCostModel,
+    retry_after_header,
+)
+from tailguard.core.request import Priority
+
+INT, BAT = Priority.INTERACTIVE, Priority.BATCH
+
+
+def make(**kw: object) -> AdmissionController:
+    # a = 10 ms per step, b = 0.1 ms per token, 1024 tokens per step
+    cfg = AdmissionConfig(prior_step_overhead_s=0.010, prior_s_per_token=0.0001, **kw)  # type: ignore[arg-type]
+    return AdmissionController(cfg)
+
+
+def decide(
+    c: AdmissionController,
+    rid: str,
+    *,
+    tokens: int = 100,
+    deadline: float = 0.15,
+    prio: Priority = INT,
+    out: int = 0,
+    single: bool = True,
+):  # type: ignore[no-untyped-def]
+    return c.decide(
+        rid,
+        now_s=0.0,
+        deadline_s=deadline,
+        prompt_tokens=tokens,
+        output_tokens=out,
+        priority=prio,
+        single_pass=single,
+    )
+
+
+def test_admits_until_the_predicted_finish_passes_the_deadline() -> None:
+    c = make(safety_margin=1.0)
+    # each 1000-token request adds ~0.1 s of tokens + 0.01 s per step
+    assert decide(c, "a", tokens=1000).admitted
+    d = decide(c, "b", tokens=1000, deadline=0.15)
+    assert not d.admitted
+    assert "predicted" in d.reason and "deadline" in d.reason
+    assert c.queued_requests == 1 and c.queued_tokens == 1000
+    assert decide(c, "c", tokens=1000, deadline=0.5).admitted  # a longer deadline fits
+
+
+def test_release_and_progress_shrink_the_ledger() -> None:
+    c = make()
+    decide(c, "g", tokens=50, out=20, single=False)
+    assert c.queued_tokens == 70
+    c.progress("g", prefill_done=True, output_tokens_done=5)
+    assert c.queued_tokens == 15
+    c.release("g")
+    assert c.queued_tokens == 0 and c.queued_requests == 0
+    c.release("g")  # idempotent
+    c.progress("unknown", prefill_done=True, output_tokens_done=1)
+    assert c.queued_tokens == 0
+
+
+def test_interactive_work_does_not_wait_behind_batch_work() -> None:
+    c = make(safety_margin=1.0)
+    for i in range(3):
+        assert decide(c, f"b{i}", tokens=400, prio=BAT, deadline=10.0).admitted
+    assert not decide(c, "late-batch", tokens=400, prio=BAT).admitted
+    assert decide(c, "vip", tokens=400, prio=INT).admitted
+
+
+def test_hard_caps_and_the_batch_share() -> None:
+    c = make(max_queued_requests=10, batch_share=0.5)
+    for i in range(5):
+        assert decide(c, f"b{i}", tokens=1, prio=BAT, deadline=100).admitted
+    d = decide(c, "b5", tokens=1, prio=BAT, deadline=100)
+    assert not d.admitted and "requests already queued" in d.reason
+    for i in range(5):
+        assert decide(c, f"i{i}", tokens=1, prio=INT, deadline=100).admitted
+    assert not decide(c, "i5", tokens=1, prio=INT, deadline=100).admitted
+    c2 = make(max_queued_tokens=1000)
+    assert not decide(c2, "big", tokens=500, out=600, single=False, deadline=100).admitted
+
+
+def test_generation_deadline_bounds_the_first_token_not_the_whole_output() -> None:
+    c = make(safety_margin=1.0)
+    d = decide(c, "g", tokens=10, out=10_000, single=False, deadline=0.15)
+    assert d.admitted and d.predicted_s < 0.15
+    assert d.engine_deadline_s == pytest.approx(0.15)
+
+
+def test_single_pass_engine_deadline_leaves_room_for_its_own_compute() -> None:
+    c = make()
+    d = decide(c, "s", tokens=1000, deadline=1.0)
+    assert d.admitted and d.engine_deadline_s == pytest.approx(1.0 - (0.010 + 0.1))
+
+
+def test_retry_after_grows_with_the_queue_and_has_bounds() -> None:
+    c = make(safety_margin=1.0, max_retry_after_s=30.0)
+    for i in range(200):
+        decide(c, f"q{i}", tokens=1000, deadline=1000.0)
+    small = decide(c, "x", tokens=10, deadline=0.15).retry_after_s
+    for i in range(200, 400):
+        decide(c, f"q{i}", tokens=1000, deadline=1000.0)
+    large = decide(c, "y", tokens=10, deadline=0.15).retry_after_s
+    assert 1.0 <= small < large <= 30.0
+    # 200k tokens ahead at ~9.8 k tokens/s: about 20 s
+    assert small == pytest.approx(200_000 * 0.0001 + 196 * 0.010, rel=0.1)
+    assert retry_after_header(0.2) == "1" and retry_after_header(2.01) == "3"
+
+
+def test_cost_model_fits_overhead_and_per_token_cost() -> None:
+    m = StepCostModel(0.001, 0.001)
+    for n in (16, 64, 256, 512, 1024, 32, 128):
+        m.observe(n, 0.005 + 0.00002 * n)
+    m.refit()
+    assert m.a == pytest.approx(0.005, rel=1e-6) and m.b == pytest.approx(0.00002, rel=1e-6)
+    assert m.drain_s(2048, 1024) == pytest.approx(2 * 0.005 + 2048 * 0.00002)
+    same = StepCostModel(0.004, 0.0002)
+    for _ in range(8):
+        same.observe(100, 0.048)  # one size only: all per-token (never underestimates growth)
+    same.refit()
+    assert same.step_s(100) == pytest.approx(0.048) and same.step_s(1000) == pytest.approx(0.48)
+
+
+def test_config_refuses_bad_values() -> None:
+    with pytest.raises(ValueError, match="batch_share"):
+        AdmissionConfig(batch_share=0.0)
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        AdmissionConfig(max_queued_requests=0)

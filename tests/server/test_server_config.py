@@ -1,0 +1,119 @@
+"""ServerConfig: defaults, file < flags precedence, refusals that name the fix, --print-config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tailguard.errors import ConfigError
+from tailguard.server.config import ServerConfig, field_docs, load_config, settings
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    c = ServerConfig()
+    assert (c.host, c.port, c.sla_ms, c.keepalive_timeout_s) == ("127.0.0.1", 8000, 150.0, 75)
+    assert c.backlog >= 10_000 and c.engine == "real"
+
+
+def test_file_then_flags(tmp_path: Path) -> None:
+    f = tmp_path / "tailguard.toml"
+    f.write_text(
+        'sla_ms = 200\nport = 9000\nengine = "stub"\nmax_num_seqs = 32\nengine_threads = 1\n'
+    )
+    c = load_config(str(f), {"port": 9100})
+    assert (c.sla_ms, c.port, c.engine) == (200.0, 9100, "stub")
+    assert c.engine_config.max_num_seqs == 32 and c.engine_config.threads == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("sla_ms = -1", "sla_ms=-1"),
+        ("slaa_ms = 1", "unknown setting 'slaa_ms'"),
+        ("port = 'x'", "port='x': expected int"),
+        ("max_num_seqs = 0", "max_num_seqs=0"),
+        ('ssl_certfile = "c.pem"', "set both"),
+        ('engine = "gpu"', "use real, stub or simulated"),
+    ],
+)
+def test_bad_settings_name_the_value_and_the_fix(tmp_path: Path, text: str, match: str) -> None:
+    f = tmp_path / "t.toml"
+    f.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=match):
+        load_config(str(f), {})
+
+
+def test_every_setting_is_documented() -> None:
+    assert all(doc for (_o, _t, _d, doc) in settings().values()), [
+        n for n, v in settings().items() if not v[3]
+    ]
+    assert "keepalive_timeout_s" in field_docs(ServerConfig)
+
+
+def test_print_config_has_the_keys_the_drift_check_reads(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tailguard.cli",
+            "serve",
+            "--print-config",
+            "--sla-ms",
+            "180",
+            "--api-key",
+            "secret",
+            "--max-num-seqs",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    cfg = json.loads(out)
+    for key in (
+        "sla_ms",
+        "host",
+        "port",
+        "keepalive_timeout_s",
+        "max_queued_requests",
+        "max_queued_tokens",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "engine_threads",
+        "http_server",
+        "backlog",
+        "max_body_bytes",
+    ):
+        assert key in cfg, key
+    assert cfg["sla_ms"] == 180 and cfg["keepalive_timeout_s"] == 75 and cfg["max_num_seqs"] == 32
+    assert cfg["api_key"] == "***"
+
+
+def test_http_process_never_imports_torch() -> None:
+    code = (
+        "import sys\n"
+        "from tailguard.server.cli import build_app\n"
+        "from tailguard.server.config import load_config\n"
+        "for engine in ('stub', 'simulated'):\n"
+        "    build_app(load_config(None, {'engine': engine}))\n"
+        "import tailguard.server.http, tailguard.server.handlers\n"
+        "try:\n"
+        "    import tailguard.engine.client  # the real client must not pull torch in either\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported by the HTTP process'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_every_setting_appears_in_the_user_docs() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "server.md").read_text()
+    missing = [name for name in settings() if f"`{name}`" not in doc]
+    assert not missing, f"document these settings in docs/server.md: {missing}"
