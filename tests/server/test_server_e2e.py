@@ -218,6 +218,8 @@ def test_real_engine_killed_mid_run_goes_unready_then_recovers() -> None:
                 urllib.request.urlopen(url + "/ready", timeout=2)
             except urllib.error.HTTPError as e:
                 seen_503 = e.code == 503
+            except (urllib.error.URLError, TimeoutError):
+                pass  # a busy machine: poll again
             time.sleep(0.02)
         assert seen_503, "/ready never reported the dead engine"
         _wait_ready(url, timeout_s=120)

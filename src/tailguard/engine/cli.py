@@ -36,10 +36,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ids = tokenizer.encode(args.prompt)
-    core.add(EngineRequest(
-        request_id="cli", prompt_token_ids=tuple(ids), arrival_s=time.monotonic(),
-        sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, seed=args.seed)))
+    core.add(
+        EngineRequest(
+            request_id="cli",
+            prompt_token_ids=tuple(ids),
+            arrival_s=time.monotonic(),
+            sampling=SamplingParams(
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                seed=args.seed,
+            ),
+        )
+    )
     out_ids: list[int] = []
     t0 = time.perf_counter()
     while core.has_work():
@@ -50,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
                 return 1
     dt = time.perf_counter() - t0
     print(args.prompt + tokenizer.decode(out_ids))
-    print(f"[{len(ids)} prompt + {len(out_ids)} generated tokens in {dt * 1000:.0f} ms, "
-          f"{core.runner.dtype}, model {model_dir}]", file=sys.stderr)
+    print(
+        f"[{len(ids)} prompt + {len(out_ids)} generated tokens in {dt * 1000:.0f} ms, "
+        f"{core.runner.dtype}, model {model_dir}]",
+        file=sys.stderr,
+    )
     return 0

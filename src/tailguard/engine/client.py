@@ -41,6 +41,7 @@ from tailguard.errors import EngineUnavailableError
 
 STARTUP_TIMEOUT_S = 600.0  # loading + warm-up of a large checkpoint can take minutes
 WATCH_INTERVAL_S = 0.1
+KEEP_STEPS = 1024  # step records kept for readers of `stats` (de-duplicated by time)
 
 
 class EngineClient:
@@ -105,8 +106,9 @@ class EngineClient:
                 await asyncio.to_thread(self._proc.wait)
         self._fail_all("engine is shutting down")
         self._close_sockets()
-        self._actx.term()
-        self._ctx.term()
+        # destroy, not term: term blocks forever if any socket is still open somewhere
+        self._actx.destroy(linger=0)
+        self._ctx.destroy(linger=0)
 
     async def _launch(self) -> None:
         self._close_sockets()
@@ -124,6 +126,9 @@ class EngineClient:
         # intra-op threads are set deliberately: the engine's count there, 1 everywhere else
         env["OMP_NUM_THREADS"] = str(self.config.threads)
         env["MKL_NUM_THREADS"] = str(self.config.threads)
+        # Idle OpenMP workers sleep instead of spinning: on a machine whose cores the HTTP
+        # process also needs, spinning workers steal them and stall every small op's barrier.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         cfg = json.dumps(dataclasses.asdict(self.config))
         self._proc = subprocess.Popen(
             [
@@ -184,7 +189,7 @@ class EngineClient:
                     if q is not None:
                         q.put_nowait(out)
                 if msg.stats is not None:
-                    self._stats = msg.stats
+                    self._take_stats(msg.stats)
             elif isinstance(msg, FatalMsg):
                 self.last_error = msg.error
 
@@ -208,6 +213,13 @@ class EngineClient:
                 await self._launch()
             except EngineUnavailableError as exc:
                 self.last_error = str(exc)
+
+    def _take_stats(self, stats: EngineStats) -> None:
+        """Keep the newest snapshot, but carry the step records of earlier ones forward (the
+        engine sends each step once; a reader polling less often than snapshots arrive must
+        not lose them). Readers de-duplicate by StepStats.t_s."""
+        stats.recent_steps = (self._stats.recent_steps + stats.recent_steps)[-KEEP_STEPS:]
+        self._stats = stats
 
     def _stop_reader(self) -> None:
         for t in [t for t in self._tasks if t.get_name() == "engine-read"]:

@@ -68,7 +68,21 @@ class EngineCore:
     # ---- commands ------------------------------------------------------------------------
     def warmup(self) -> None:
         if self.config.warmup:
-            self.runner.warmup()
+            # warm-up forwards are real steps of known size: publish them so admission control
+            # starts calibrated (the first stats snapshot carries them)
+            for seqs, tokens, secs in self.runner.warmup():
+                self._recent.append(
+                    StepStats(
+                        t_s=time.monotonic(),
+                        step_s=secs,
+                        num_seqs=seqs,
+                        num_tokens=tokens,
+                        padded_seqs=seqs,
+                        padded_tokens=tokens,
+                        num_prefill_tokens=tokens,
+                        num_decode_tokens=0,
+                    )
+                )
         gc.collect()
         gc.freeze()  # everything alive now (model, pool) is never scanned again
         self.warmup_done = True

@@ -9,6 +9,7 @@ memory left after a warm-up forward at the largest bucket), and every forward is
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,12 +123,22 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
     # ---- execution -----------------------------------------------------------------------
-    def warmup(self) -> None:
+    def warmup(self) -> list[tuple[int, int, float]]:
+        """Run every bucket shape once, then the largest attention layouts serving can produce,
+        so the allocator's high-water mark is reached before the first request. Returns
+        (sequences, tokens, seconds) of each bucket's forward: a first calibration of step cost."""
+        timings = []
         for num_seqs, num_tokens in warmup_shapes(
             self.config.seq_buckets, self.config.token_buckets
         ):
+            t0 = time.perf_counter()
             self._dummy_forward(num_seqs, num_tokens)
+            timings.append((num_seqs, num_tokens, time.perf_counter() - t0))
+        max_blocks = round_up(math.ceil(self.max_model_len / self.config.block_size), BLOCKS_PAD)
+        self._dummy_forward(self.config.seq_buckets[-1], self.config.token_buckets[-1], max_blocks)
+        self._dummy_forward(1, self.config.token_buckets[-1], max_blocks)
         self.shapes.mark_warm()
+        return timings
 
     def _dummy_forward(self, num_seqs: int, num_tokens: int, table_width: int = 1) -> None:
         """A forward of exactly this bucket shape that only touches the null block."""
