@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tailguard.core.request import EngineRequest, RequestKind, SamplingParams
-from tailguard.engine.config import EngineConfig
+from tailguard.engine.config import EngineConfig, available_cores
 from tailguard.engine.core import EngineCore
 from tailguard.engine.runner import choose_dtype
 from tailguard.model.config import MistralConfig
@@ -43,7 +43,9 @@ def matmul_flops(dtype: torch.dtype, seconds: float = 1.0) -> float:
 
 def flops_per_token(m: MistralConfig, ctx: float, logits: bool) -> float:
     per_layer = m.hidden_size * (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
-    per_layer += m.num_attention_heads * m.head_dim * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
+    per_layer += (
+        m.num_attention_heads * m.head_dim * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
+    )
     attn = 4 * ctx * m.num_attention_heads * m.head_dim
     total = m.num_hidden_layers * (2 * per_layer + attn)
     return total + (2 * m.hidden_size * m.vocab_size if logits else 0)
@@ -58,8 +60,13 @@ def workloads(n_gen: int, n_q: int, seed: int = 0) -> tuple[list[list[int]], lis
 
 def tailguard_generate(core: EngineCore, prompts: list[list[int]], new: int) -> tuple[float, int]:
     for i, p in enumerate(prompts):
-        core.add(EngineRequest(request_id=f"g{i}", prompt_token_ids=tuple(p),
-                               sampling=SamplingParams(max_tokens=new, ignore_eos=True)))
+        core.add(
+            EngineRequest(
+                request_id=f"g{i}",
+                prompt_token_ids=tuple(p),
+                sampling=SamplingParams(max_tokens=new, ignore_eos=True),
+            )
+        )
     t0, n = time.perf_counter(), 0
     while core.has_work():
         n += sum(len(o.new_token_ids) for o in core.step())
@@ -68,8 +75,11 @@ def tailguard_generate(core: EngineCore, prompts: list[list[int]], new: int) -> 
 
 def tailguard_queries(core: EngineCore, prompts: list[list[int]]) -> tuple[float, int]:
     for i, p in enumerate(prompts):
-        core.add(EngineRequest(request_id=f"q{i}", prompt_token_ids=tuple(p),
-                               kind=RequestKind.SCORE, top_k=5))
+        core.add(
+            EngineRequest(
+                request_id=f"q{i}", prompt_token_ids=tuple(p), kind=RequestKind.SCORE, top_k=5
+            )
+        )
     t0, n = time.perf_counter(), 0
     while core.has_work():
         n += sum(1 for o in core.step() if o.finished and o.top_logprobs)
@@ -80,8 +90,14 @@ def hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int) -> t
     t0, n = time.perf_counter(), 0
     for b in range(0, len(prompts), HF_BATCH):
         ids, mask = left_pad(prompts[b : b + HF_BATCH])
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,  # type: ignore[operator]
-                             min_new_tokens=new, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,  # type: ignore[operator]
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
         n += (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return time.perf_counter() - t0, n
 
@@ -91,7 +107,8 @@ def hf_queries(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[float,
     with torch.inference_mode():
         for b in range(0, len(prompts), HF_BATCH):
             ids, mask = left_pad(prompts[b : b + HF_BATCH])
-            logits = model(input_ids=ids, attention_mask=mask).logits[:, -1, :]
+            # logits_to_keep=1: the fairest baseline runs the output head on the last token only
+            logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits[:, -1, :]
             torch.log_softmax(logits.float(), dim=-1).topk(5)
             n += ids.shape[0]
     return time.perf_counter() - t0, n
@@ -117,7 +134,8 @@ def main() -> None:
     from transformers import MistralForCausalLM
 
     model_dir: Path = default_model_dir()
-    config = EngineConfig(model_dir=str(model_dir), **({"threads": args.threads} if args.threads else {}))
+    # no HTTP process shares the machine here: the engine (and transformers) get every core
+    config = EngineConfig(model_dir=str(model_dir), threads=args.threads or available_cores())
     torch.set_num_threads(config.threads)
     dtype = choose_dtype(config)
     gen, qs = workloads(args.requests, args.queries)
@@ -128,29 +146,46 @@ def main() -> None:
     tailguard_generate(core, gen[:HF_BATCH], 2)
     peak = matmul_flops(dtype)
     m = core.runner.mcfg
-    print(f"machine: {torch.get_num_threads()} threads, {dtype}, matmul peak {peak / 1e9:.0f} GFLOP/s")
-    print(f"engine: max_num_seqs={config.max_num_seqs} max_num_batched_tokens="
-          f"{config.max_num_batched_tokens}")
+    print(
+        f"machine: {torch.get_num_threads()} threads, {dtype}, matmul peak {peak / 1e9:.0f} GFLOP/s"
+    )
+    print(
+        f"engine: max_num_seqs={config.max_num_seqs} max_num_batched_tokens="
+        f"{config.max_num_batched_tokens}"
+    )
 
     tg_t, tg_n = tailguard_generate(core, gen, args.new_tokens)
     hf_t, hf_n = hf_generate(hf, gen, args.new_tokens)
     ctx = 32 + args.new_tokens / 2
-    gen_flops = tg_n * flops_per_token(m, ctx, True) + sum(map(len, gen)) * flops_per_token(m, 16, False)
-    print(f"(a) generation  {args.requests} req x {args.new_tokens} tok: tailguard {tg_n / tg_t:8.0f} "
-          f"tok/s ({tg_t:.2f} s, MFU {gen_flops / tg_t / peak:.0%})   transformers b{HF_BATCH} "
-          f"{hf_n / hf_t:8.0f} tok/s ({hf_t:.2f} s, MFU {gen_flops / hf_t / peak:.0%})")
+    gen_flops = tg_n * flops_per_token(m, ctx, True) + sum(map(len, gen)) * flops_per_token(
+        m, 16, False
+    )
+    print(
+        f"(a) generation  {args.requests} req x {args.new_tokens} tok: "
+        f"tailguard {tg_n / tg_t:8.0f} "
+        f"tok/s ({tg_t:.2f} s, MFU {gen_flops / tg_t / peak:.0%})   transformers b{HF_BATCH} "
+        f"{hf_n / hf_t:8.0f} tok/s ({hf_t:.2f} s, MFU {gen_flops / hf_t / peak:.0%})"
+    )
     tq_t, tq_n = tailguard_queries(core, qs)
     hq_t, hq_n = hf_queries(hf, qs)
-    q_flops = sum(len(p) * flops_per_token(m, len(p) / 2, False) + 2 * m.hidden_size * m.vocab_size
-                  for p in qs)
-    print(f"(b) queries     {args.queries} x 32-128 tok:  tailguard {tq_n / tq_t:8.0f} q/s   "
-          f"({tq_t:.2f} s, MFU {q_flops / tq_t / peak:.0%})   transformers b{HF_BATCH} "
-          f"{hq_n / hq_t:8.0f} q/s   ({hq_t:.2f} s, MFU {q_flops / hq_t / peak:.0%})")
+    q_flops = sum(
+        len(p) * flops_per_token(m, len(p) / 2, False) + 2 * m.hidden_size * m.vocab_size
+        for p in qs
+    )
+    print(
+        f"(b) queries     {args.queries} x 32-128 tok:  tailguard {tq_n / tq_t:8.0f} q/s   "
+        f"({tq_t:.2f} s, MFU {q_flops / tq_t / peak:.0%})   transformers b{HF_BATCH} "
+        f"{hq_n / hq_t:8.0f} q/s   ({hq_t:.2f} s, MFU {q_flops / hq_t / peak:.0%})"
+    )
     stats = core.stats()
-    print(f"shapes after warm-up: {len(core.runner.shapes.after_warmup)} new; KV allocations "
-          f"{stats.kv_allocations_total}; GC pauses {stats.gc_pause_s_total * 1000:.1f} ms")
-    print(f"RATIO generation {(tg_n / tg_t) / (hf_n / hf_t):.2f}x (target 1.5x)  "
-          f"queries {(tq_n / tq_t) / (hq_n / hq_t):.2f}x (target 1.3x)")
+    print(
+        f"shapes after warm-up: {len(core.runner.shapes.after_warmup)} new; KV allocations "
+        f"{stats.kv_allocations_total}; GC pauses {stats.gc_pause_s_total * 1000:.1f} ms"
+    )
+    print(
+        f"RATIO generation {(tg_n / tg_t) / (hf_n / hf_t):.2f}x (target 1.5x)  "
+        f"queries {(tq_n / tq_t) / (hq_n / hq_t):.2f}x (target 1.3x)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,19 +1,19 @@
 """One error hierarchy; each error knows its HTTP status and its metric label.
 
-    TailguardError                 500 internal
-    ├── ConfigError                (start-up only; never reaches HTTP)
-    ├── ModelLoadError             (start-up only) names the file or field that is wrong
-    ├── InvalidRequestError        400 invalid        names the field and the fix
-    │   ├── ContextLengthError     400 invalid        prompt + max_tokens vs the model's context
-    │   └── PayloadTooLargeError   413 invalid
-    ├── UnauthorizedError          401 unauthorized
-    ├── NotFoundError              404 not_found      (unknown model, unknown route)
-    ├── MethodNotAllowedError      405 invalid
-    ├── QuotaExceededError         429 quota          a client over its own quota
-    ├── OverloadedError            503 overloaded     carries retry_after_s
-    ├── EngineUnavailableError     503 engine_down    engine process died or not ready
-    ├── DeadlineExpiredError       504 expired        queued past its deadline, never executed
-    └── OutOfMemoryRequestError    507 oom            a request that cannot fit even alone
+TailguardError                 500 internal
+├── ConfigError                (start-up only; never reaches HTTP)
+├── ModelLoadError             (start-up only) names the file or field that is wrong
+├── InvalidRequestError        400 invalid        names the field and the fix
+│   ├── ContextLengthError     400 invalid        prompt + max_tokens vs the model's context
+│   └── PayloadTooLargeError   413 invalid
+├── UnauthorizedError          401 unauthorized
+├── NotFoundError              404 not_found      (unknown model, unknown route)
+├── MethodNotAllowedError      405 invalid
+├── QuotaExceededError         429 quota          a client over its own quota
+├── OverloadedError            503 overloaded     carries retry_after_s
+├── EngineUnavailableError     503 engine_down    engine process died or not ready
+├── DeadlineExpiredError       504 expired        queued past its deadline, never executed
+└── OutOfMemoryRequestError    507 oom            a request that cannot fit even alone
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from tailguard.engine.config import EngineConfig
+from tailguard.engine.config import EngineConfig, available_cores
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +29,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         model_dir = Path(args.model) if args.model else default_model_dir()
-        config = EngineConfig(model_dir=str(model_dir), dtype=args.dtype, warmup=False)
+        config = EngineConfig(
+            model_dir=str(model_dir), dtype=args.dtype, warmup=False, threads=available_cores()
+        )
         tokenizer = load_tokenizer(model_dir)
         core = EngineCore(config, model_dir)
     except TailguardError as exc:

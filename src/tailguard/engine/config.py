@@ -8,11 +8,22 @@ from dataclasses import dataclass, field
 from tailguard.errors import ConfigError
 
 
-def _available_cores() -> int:
+def available_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
         return os.cpu_count() or 1
+
+
+def default_engine_threads() -> int:
+    """The cores available, less one for the HTTP front-end process that shares the machine.
+
+    Measured on 2 cores under a 10,000-connection burst (docs/bench-notes/server.md): with both
+    cores the engine's OpenMP threads fight the front end and a 25 ms forward took 500-670 ms;
+    with one thread, 180 ms. Single-process uses (`tailguard generate`, engine benchmarks) pass
+    `threads=available_cores()`.
+    """
+    return max(1, available_cores() - 1)
 
 
 @dataclass(frozen=True)
@@ -41,8 +52,9 @@ class EngineConfig:
     """Sequence-count buckets; the last must be >= max_num_seqs."""
     token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
     """Token-count buckets; the last must be >= max_num_batched_tokens."""
-    threads: int = field(default_factory=_available_cores)
-    """Intra-op threads in the engine process (every other process uses 1)."""
+    threads: int = field(default_factory=default_engine_threads)
+    """Intra-op threads in the engine process (every other process uses 1). Default: the cores
+    available less one, which the HTTP front end needs under load."""
     max_restarts: int = 3
     """Engine process restarts before the server gives up (stays not-ready)."""
     seed: int = 0
