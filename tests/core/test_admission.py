@@ -16,7 +16,9 @@ INT, BAT = Priority.INTERACTIVE, Priority.BATCH
 
 
 def make(**kw: object) -> AdmissionController:
-    # a = 10 ms per step, b = 0.1 ms per token, 1024 tokens per step
+    # a = 10 ms per step, b = 0.1 ms per token, 1024 tokens per step; the prediction alone
+    # unless a test is about the adaptive cap
+    kw.setdefault("adaptive_cap", False)
     cfg = AdmissionConfig(prior_step_overhead_s=0.010, prior_s_per_token=0.0001, **kw)  # type: ignore[arg-type]
     return AdmissionController(cfg)
 
@@ -133,3 +135,38 @@ def test_config_refuses_bad_values() -> None:
         AdmissionConfig(batch_share=0.0)
     with pytest.raises(ValueError, match="max_queued_requests"):
         AdmissionConfig(max_queued_requests=0)
+
+
+def test_adaptive_cap_starts_at_two_steps_grows_on_time_and_halves_when_late() -> None:
+    c = make(adaptive_cap=True, safety_margin=1.0)
+    assert c.cap_tokens == 2 * 1024
+    # a burst against an idle-looking engine: only two steps' worth is let in at first
+    admitted = [decide(c, f"a{i}", tokens=100, deadline=10.0).admitted for i in range(40)]
+    assert sum(admitted) == 20
+    refused = decide(c, "over", tokens=100, deadline=10.0)
+    assert not refused.admitted and "adaptive limit" in refused.reason
+    for i in range(20):  # all answered on time: the cap grows by their tokens
+        c.release(f"a{i}", now_s=1.0)
+    assert c.cap_tokens == 2 * 1024 + 20 * 101
+    for i in range(20):  # and again: it doubles per round trip while answers are on time
+        assert decide(c, f"c{i}", tokens=100, deadline=10.0).admitted
+        c.release(f"c{i}", now_s=1.0)
+    grown = 2 * 1024 + 40 * 101
+    assert c.cap_tokens == grown
+    assert decide(c, "b0", tokens=100, deadline=10.0).admitted
+    c.release("b0", now_s=11.0)  # late: halve
+    assert c.cap_tokens == grown / 2
+    for _ in range(10):  # never below two steps' worth
+        decide(c, "late", tokens=10, deadline=0.5)
+        c.release("late", now_s=5.0)
+    assert c.cap_tokens == 2 * 1024
+
+
+def test_generation_is_judged_at_its_first_token_not_at_the_end() -> None:
+    c = make(adaptive_cap=True, safety_margin=1.0)
+    assert decide(c, "g", tokens=50, out=200, single=False, deadline=0.5).admitted
+    c.progress("g", prefill_done=True, output_tokens_done=1, now_s=0.2)  # first token on time
+    grown = c.cap_tokens
+    assert grown > 2 * 1024
+    c.release("g", now_s=30.0)  # the whole generation took long: not a deadline miss
+    assert c.cap_tokens == grown

@@ -23,6 +23,14 @@ Why the ledger and not the engine's own counters: engine stats arrive a few ms l
 burst of 10,000 requests thousands arrive within those few ms, and every one of them would see an
 empty queue. The ledger changes at the instant of each admission.
 
+Why an adaptive cap on top of the prediction: the prediction is only as good as the step-cost
+model, which learns from steps that already ran. At the start of a burst the machine still
+looks idle, and if the burst itself starves the engine of CPU (the load generator and the HTTP
+process share its cores) every step gets slower than predicted. So admitted work is also capped
+by what the engine has recently *proven* it finishes on time, TCP-style: each answer on time
+grows the cap by its own tokens (doubling per round trip), each late one halves it, never
+below two steps' worth. A wrong prediction then costs a few requests, not a burst's worth.
+
 Retry-After comes from the same model: the time for the work ahead to drain far enough that this
 request would fit, rounded up to whole seconds for the header (RFC 9110 delay-seconds).
 """
@@ -67,6 +75,8 @@ class AdmissionConfig:
     """Smallest Retry-After advertised (seconds)."""
     max_retry_after_s: float = 60.0
     """Largest Retry-After advertised (seconds)."""
+    adaptive_cap: bool = True
+    """Cap admitted tokens by what recently finished on time (AIMD); see the module docstring."""
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1:
@@ -150,6 +160,9 @@ class WorkItem:
     priority: Priority
     prompt_tokens: int  # still to prefill (0 once the first output arrived)
     output_tokens: int  # still to generate
+    deadline_s: float = math.inf  # monotonic: finish (single pass) / first token (generate)
+    single_pass: bool = True
+    judged: bool = False  # on-time verdict already fed to the adaptive cap
 
     @property
     def tokens(self) -> int:
@@ -184,8 +197,27 @@ class AdmissionController:
     """Recent delay the HTTP process itself adds (event-loop lag), set by the server: under a
     burst the loop is busy parsing and rejecting, and an admitted answer waits for it too."""
 
+    cap_tokens: float = field(default=0.0, init=False)
+    """Adaptive cap on admitted tokens (AIMD on on-time answers); inf when disabled."""
+
     def __post_init__(self) -> None:
         self.cost = StepCostModel(self.config.prior_step_overhead_s, self.config.prior_s_per_token)
+        self.cap_tokens = self._min_cap if self.config.adaptive_cap else math.inf
+
+    @property
+    def _min_cap(self) -> float:
+        return 2.0 * self.config.max_num_batched_tokens
+
+    def _judge(self, item: WorkItem, now_s: float | None) -> None:
+        """Feed one on-time / late verdict to the adaptive cap."""
+        if item.judged or now_s is None or not self.config.adaptive_cap:
+            return
+        item.judged = True
+        if now_s <= item.deadline_s:
+            grown = self.cap_tokens + item.prompt_tokens + item.output_tokens + 1
+            self.cap_tokens = min(grown, float(self.config.max_queued_tokens))
+        else:
+            self.cap_tokens = max(self._min_cap, self.cap_tokens / 2)
 
     # ---- ledger -------------------------------------------------------------------------------
     @property
@@ -204,21 +236,33 @@ class AdmissionController:
             t.requests += sign
             t.tokens += sign * item.tokens
 
-    def progress(self, request_id: str, *, prefill_done: bool, output_tokens_done: int) -> None:
-        """The engine reported progress: shrink the request's remaining work."""
+    def progress(
+        self,
+        request_id: str,
+        *,
+        prefill_done: bool,
+        output_tokens_done: int,
+        now_s: float | None = None,
+    ) -> None:
+        """The engine reported progress: shrink the request's remaining work. A generation's
+        first output is its deadline event: judge it then."""
         item = self._items.get(request_id)
         if item is None:
             return
+        if prefill_done and not item.single_pass:
+            self._judge(item, now_s)
         self._add(item, -1)
         if prefill_done:
             item.prompt_tokens = 0
         item.output_tokens = max(0, item.output_tokens - output_tokens_done)
         self._add(item, +1)
 
-    def release(self, request_id: str) -> None:
-        """The request was answered (any outcome): remove it from the ledger."""
+    def release(self, request_id: str, now_s: float | None = None) -> None:
+        """The request was answered (any outcome): remove it from the ledger. With `now_s`, an
+        unjudged request is judged on time or late (a 504 or an error past the deadline is late)."""
         item = self._items.pop(request_id, None)
         if item is not None:
+            self._judge(item, now_s)
             self._add(item, -1)
 
     # ---- decision -----------------------------------------------------------------------------
@@ -261,6 +305,11 @@ class AdmissionController:
                 f"{self._all.tokens} tokens already queued (cap "
                 f"{int(cfg.max_queued_tokens * share)} for this priority)"
             )
+        elif ahead + own > self.cap_tokens:
+            reason = (
+                f"{ahead} tokens queued ahead; the engine recently finished only "
+                f"{self.cap_tokens:.0f} tokens of admitted work on time (adaptive limit)"
+            )
         elif predicted > budget_s:
             reason = (
                 f"predicted {predicted * 1e3:.0f} ms to "
@@ -270,7 +319,7 @@ class AdmissionController:
         if reason:
             return Decision(False, predicted, 0.0, self._retry_after(ahead, own, budget_s), reason)
 
-        item = WorkItem(priority, prompt_tokens, output_tokens)
+        item = WorkItem(priority, prompt_tokens, output_tokens, deadline_s, single_pass)
         self._items[request_id] = item
         self._add(item, +1)
         # The engine drops it unstarted past this instant; a single-pass request that starts

@@ -76,6 +76,9 @@ class ServerConfig:
     interactive requests."""
     admission_safety_margin: float = 0.85
     """Admit only when the predicted time uses at most this share of the time to deadline."""
+    admission_adaptive_cap: bool = True
+    """Also cap admitted tokens by what recently finished on time (grows per on-time answer,
+    halves per late one, never below two engine steps' worth)."""
     cache_max_entries: int = 10_000
     """Degradation cache: most responses kept (0 disables the cache)."""
     cache_max_bytes: int = 64 * 1024 * 1024
@@ -166,6 +169,7 @@ class ServerConfig:
             max_num_seqs=e.max_num_seqs,
             batch_share=self.batch_share,
             safety_margin=self.admission_safety_margin,
+            adaptive_cap=self.admission_adaptive_cap,
         )
 
     @property

@@ -171,7 +171,7 @@ def admit(
         arrival_s=call.t_read,
         **fields,
     )
-    return Admitted(req, lambda: app.admission.release(rid))
+    return Admitted(req, lambda: app.admission.release(rid, time.monotonic()))
 
 
 def raise_for(out: EngineOutput) -> None:
@@ -201,7 +201,10 @@ async def outputs(app: App, call: Call, adm: Admitted) -> AsyncGenerator[EngineO
     try:
         async for out in agen:
             app.admission.progress(
-                adm.request.request_id, prefill_done=True, output_tokens_done=len(out.new_token_ids)
+                adm.request.request_id,
+                prefill_done=True,
+                output_tokens_done=len(out.new_token_ids),
+                now_s=time.monotonic(),
             )
             if out.finish_reason is not None and out.finish_reason not in (
                 FinishReason.STOP,
