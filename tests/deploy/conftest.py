@@ -32,7 +32,7 @@ HERE = Path(__file__).parent
 REPO = HERE.parent.parent
 STANDIN = HERE / "standin_backend.py"
 
-BACKEND = os.environ.get("TAILGUARD_DEPLOY_BACKEND", "standin")  # the one line: or "server"
+BACKEND = os.environ.get("TAILGUARD_DEPLOY_BACKEND", "server")  # the one line: or "standin"
 
 # {python}, {port} and {name} are filled in per replica.
 BACKEND_CMDS = {
