@@ -1,0 +1,74 @@
+"""Every number the doctor judges by, each with the reason it was chosen.
+
+`docs/doctor.md` explains them at length; keep the two in step. Thresholds are relative to the
+SLA or to capacity wherever possible, so one set works for a 2-core laptop and a GPU fleet.
+"""
+
+from __future__ import annotations
+
+# --- the symptom -------------------------------------------------------------------------------
+SLA_DEFAULT_S = 0.15
+"""Runbook SLA; used only when the server exports no `tailguard_sla_seconds` and --sla is absent."""
+SLA_TARGET_SHARE = 0.99
+"""The SLA gate of docs/metrics.md: bucket{le=SLA}/count >= 0.99; below it the window has a tail."""
+MIN_REQUESTS = 20
+"""Fewer requests than this: shares move >5% per request, so no tail is judged and starvation (the
+rule that leans on shares) is demoted; configuration signals (a cap hit, a retry) still count."""
+
+# --- allocator fragmentation ---------------------------------------------------------------------
+ALLOC_RETRIES_MIN = 1
+"""Any cudaMalloc retry means the caching allocator freed its cache and retried: a stall of ms."""
+DEVICE_ALLOCS_GROWTH_MIN = 8
+"""After warm-up a block pool + shape buckets make ~0 cudaMallocs; 8 allows a late lazy buffer."""
+RESERVED_GAP_RATIO = 0.30
+"""(reserved - allocated) / reserved above 30%: cached but unusable memory, typical of splits."""
+RESERVED_GAP_MIN_BYTES = 256 * 1024 * 1024
+"""Ignore gaps under 256 MiB: allocator rounding on a small model is not fragmentation."""
+INACTIVE_SPLIT_RATIO = 0.10
+"""Inactive split blocks over 10% of reserved: freed pieces of big blocks that nothing reuses."""
+NEW_SHAPES_MIN = 1
+"""Bucketed forwards add no shape after warm-up; one new shape means unbucketed input reached it."""
+
+# --- dispatcher / thread starvation -------------------------------------------------------------
+LOOP_LAG_SLA_FRACTION = 1 / 3
+"""Lag beyond a third of the SLA (50 ms at 150 ms, a lag bucket) eats the budget before any work."""
+LOOP_LAG_SLOW_SHARE = 0.01
+"""More than 1% of lag samples over that bound: the loop stalls repeatedly, not once."""
+OVERSUBSCRIPTION_RATIO = 1.5
+"""Compute (or runnable) threads over 1.5x cores: each waits a third of the time for a core;
+tailguard's own layout (engine threads = cores, front-end 1) stays under it."""
+GC_SHARE = 0.05
+"""GC pauses over 5% of wall time: each pause stops every request on that process."""
+CPU_SATURATION = 0.90
+"""Processes using over 90% of the host's cores: runnable threads wait for a core."""
+
+# --- queueing (shared by starvation and overload) ----------------------------------------------
+QUEUE_SLA_FRACTION = 0.5
+"""A request that queues for half the SLA cannot meet it after a normal service time."""
+QUEUE_SLOW_SHARE = 0.05
+"""More than 5% of requests queueing that long explains a missed 99% SLA share."""
+BATCH_FULL_RATIO = 0.80
+"""Mean batch at 80% of max_num_seqs: the engine runs at capacity; faster dispatch cannot help."""
+ENGINE_BUSY_RATIO = 0.50
+"""Engine stepping over half the window while requests wait in its own queue: its scheduler would
+have batched them if the budget allowed, so it is at capacity (token-bound batches included)."""
+
+# --- plain overload ----------------------------------------------------------------------------
+REJECT_SHARE = 0.01
+"""Over 1% of requests refused (overloaded/expired/503/429): demand exceeds what is admitted."""
+WAITING_MIN = 8
+"""A waiting queue under 8 is scheduling jitter, not a backlog."""
+
+# --- connection churn ----------------------------------------------------------------------------
+CX_PER_REQUEST = 0.05
+"""Keep-alive closes ~0 connections per request; over one closed (or replaced) per 20 is churn."""
+TLS_PER_REQUEST = 0.05
+"""Same bound for TLS handshakes: each costs a round trip plus key exchange CPU."""
+MAX_REQUESTS_HIT_MIN = 1
+"""A per-connection request cap being hit at all means connections are closed on purpose."""
+SLOW_NEW_CX_MIN = 5
+"""At least 5 requests that connection set-up alone pushed over the SLA (one or two are noise)."""
+
+# --- confidence ----------------------------------------------------------------------------------
+CAUSE_MIN_CONFIDENCE = 0.5
+"""A finding at or above this is named as a cause (exit 1); below it is reported as a note."""

@@ -1,0 +1,113 @@
+"""`tailguard lab SCENARIO|all`: reproduce each cause of a spike, run the same load against the
+broken and the fixed setup, and run the doctor on both.
+
+Exit codes: 0 every scenario that could run met the bar (scenarios that need a GPU are skipped
+on CPU), 1 one did not, 2 nothing could run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+from tailguard.tools.lab.report import acceptance, confusion_matrix, side_by_side
+from tailguard.tools.lab.runner import LabConfig, SideResult, results_json, run_scenarios
+from tailguard.tools.lab.scenarios import SCENARIOS, Scenario
+
+ORDER = ("churn", "starvation", "overload", "fragmentation", "healthy")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__.splitlines()[0] if __doc__ else None
+    p.add_argument("scenario", choices=[*ORDER, "all"], help="which cause to reproduce")
+    p.add_argument("--repeat", type=int, default=1, help="runs of every side (default 1)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path(".tailguard/lab"),
+        help="logs, load and doctor reports per run (default .tailguard/lab)",
+    )
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply every load rate (the defaults fit a 2-core machine)",
+    )
+    p.add_argument("--host-cores", type=int, default=0, help="cores (default: this machine's)")
+    p.add_argument("--gap", type=float, default=2.0, help="seconds between runs (default 2)")
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write every result as JSON")
+    p.add_argument("--list", action="store_true", help="print the scenarios and exit")
+
+
+def describe(scenarios: list[Scenario]) -> str:
+    lines = []
+    for s in scenarios:
+        lines.append(f"{s.name}: {s.about}")
+        for side in s.sides:
+            lines.append(
+                f"   {side.name:<8} {side.setup.describe()}  -> doctor must name "
+                f"{side.expected.value}"
+            )
+        load = s.load
+        lines.append(
+            f"   load     {load.rate:g} req/s for {load.duration_s:g} s on "
+            f"/v1/{load.endpoint}, SLA {s.sla_s * 1000:g} ms"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    names = list(ORDER) if args.scenario == "all" else [args.scenario]
+    scenarios = [SCENARIOS[n] for n in names]
+    if args.list:
+        print(describe(scenarios))
+        return 0
+    try:
+        cfg = LabConfig(
+            out=args.out,
+            repeat=args.repeat,
+            scale=args.scale,
+            host_cores=args.host_cores,
+            gap_s=args.gap,
+        )
+    except ValueError as e:
+        print(f"tailguard lab: {e}", file=sys.stderr)
+        return 2
+    print(describe(scenarios), flush=True)
+    print(flush=True)
+
+    def progress(r: SideResult) -> None:
+        what = r.error or f"doctor: {r.verdict.value if r.verdict else '?'}"
+        print(f"  {r.scenario}/{r.side} run {r.run}: {what}", flush=True)
+
+    def on_term(signum: int, frame: object) -> None:
+        # SIGTERM unwinds like Ctrl-C, so every `launch` stops the processes it started.
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        results = asyncio.run(run_scenarios(scenarios, cfg, progress))
+    except KeyboardInterrupt:
+        print("tailguard lab: interrupted; the processes it started were stopped", file=sys.stderr)
+        return 2
+    print()
+    print(side_by_side(results))
+    print()
+    print(confusion_matrix(results))
+    verdict = acceptance(results, scenarios)
+    print()
+    for s in verdict.skipped:
+        print(f"skipped: {s}")
+    for f in verdict.failures:
+        print(f"FAILED: {f}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(results_json(results) + "\n")
+    if verdict.ran == 0:
+        print("nothing could run")
+        return 2
+    print("acceptance: " + ("met" if verdict.passed else "NOT met"))
+    return 0 if verdict.passed else 1

@@ -1,0 +1,159 @@
+"""The five scenarios: each injects one cause on its broken side and removes it on the fixed side.
+
+Loads are sized for this project's 2-core reference machine (docs/bench-notes/lab.md has the
+measurements behind each number); `--scale` multiplies every rate for a bigger host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tailguard.tools.doctor.rules import Cause
+from tailguard.tools.lab.setups import EnvoyFront, NaiveServer, Setup, TailguardServer
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One `tailguard load` run (open loop, so a stalled server cannot slow the sender down)."""
+
+    rate: float  # requests per second
+    duration_s: float  # seconds of sending
+    endpoint: str = "infer"
+    timeout_s: float = 30.0  # per request: long enough that a queued request is measured, not lost
+    warmup_rate: float = 20.0  # requests/s before the window: a server is measured warm, its
+    warmup_s: float = 2.0  # admission cost model fitted (0 s: no warm-up)
+
+    def warmup(self, url: str, report_dir: str, scale: float = 1.0) -> list[str]:
+        return [
+            url,
+            "--endpoint",
+            self.endpoint,
+            "--profile",
+            "constant",
+            "--rate",
+            f"{self.warmup_rate * scale:g}",
+            "--duration",
+            f"{self.warmup_s:g}s",
+            "--timeout",
+            f"{self.timeout_s:g}s",
+            "--report",
+            report_dir,
+            "--quiet",
+        ]
+
+    def args(self, url: str, report_dir: str, scale: float = 1.0) -> list[str]:
+        return [
+            url,
+            "--endpoint",
+            self.endpoint,
+            "--profile",
+            "constant",
+            "--rate",
+            f"{self.rate * scale:g}",
+            "--duration",
+            f"{self.duration_s:g}s",
+            "--timeout",
+            f"{self.timeout_s:g}s",
+            "--report",
+            report_dir,
+            "--quiet",
+        ]
+
+
+@dataclass(frozen=True)
+class Side:
+    name: str  # broken | fixed | healthy
+    setup: Setup
+    expected: Cause  # what the doctor must name on this side
+    max_refused: float = 0.01  # share of requests a fixed side may refuse (refusing all of them
+    # would trivially keep the p99 inside the SLA); admission control's fixed side refuses more
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    about: str
+    sides: tuple[Side, ...]
+    load: LoadSpec
+    sla_s: float = 0.15
+    needs_cuda: bool = False
+
+    @property
+    def injected(self) -> Cause:
+        return next((s.expected for s in self.sides if s.expected is not Cause.NONE), Cause.NONE)
+
+
+# The simulated engine processes tokens at a fixed rate; the load's prompt is ~70 tokens, so
+# 10,000 tokens/s makes capacity ~140 /v1/infer requests/s: low enough that the load client
+# (one core) can offer ~3x it.
+_SLOW = ("--simulated-tokens-per-s", "10000")
+# "Admission control off": a 60 s deadline and caps no burst reaches admit everything, so the
+# queue grows instead of refusing (tailguard has no on/off switch: admission follows deadlines).
+_NO_ADMISSION = (
+    "--sla-ms",
+    "60000",
+    "--max-deadline-ms",
+    "60000",
+    "--max-queued-requests",
+    "1000000",
+    "--max-queued-tokens",
+    "100000000",
+)
+
+SCENARIOS: dict[str, Scenario] = {
+    "churn": Scenario(
+        name="churn",
+        about="Envoy with TLS and max_requests_per_connection: 100 in front of a replica, "
+        "vs the generated config (cap unset)",
+        sides=(
+            Side(
+                "broken",
+                Setup(TailguardServer(), EnvoyFront(tls=True, max_requests_per_connection=100)),
+                Cause.CHURN,
+            ),
+            Side("fixed", Setup(TailguardServer(), EnvoyFront(tls=True)), Cause.NONE),
+        ),
+        load=LoadSpec(rate=200, duration_s=8),
+    ),
+    "starvation": Scenario(
+        name="starvation",
+        about="the runbook's server (FastAPI, per-request forward in a pool of 2x cores, "
+        "intra-op threads 2x cores) vs tailguard's engine process",
+        sides=(
+            Side("broken", Setup(NaiveServer()), Cause.STARVATION),
+            Side("fixed", Setup(TailguardServer(engine="real")), Cause.NONE),
+        ),
+        load=LoadSpec(rate=250, duration_s=8),
+    ),
+    "overload": Scenario(
+        name="overload",
+        about="a burst at ~3x capacity: tailguard with admission control off (everything "
+        "queues) vs on (the excess is refused fast with Retry-After)",
+        sides=(
+            Side("broken", Setup(TailguardServer(flags=(*_SLOW, *_NO_ADMISSION))), Cause.OVERLOAD),
+            Side("fixed", Setup(TailguardServer(flags=_SLOW)), Cause.NONE, max_refused=1.0),
+        ),
+        load=LoadSpec(rate=400, duration_s=3, warmup_rate=60),
+    ),
+    "fragmentation": Scenario(
+        name="fragmentation",
+        about="CUDA only: variable-length per-request tensors (runbook server) vs the block "
+        "pool and shape buckets (tailguard)",
+        sides=(
+            Side("broken", Setup(NaiveServer(flags=("--device", "cuda"))), Cause.FRAGMENTATION),
+            Side(
+                "fixed",
+                Setup(TailguardServer(engine="real", flags=("--device", "cuda"))),
+                Cause.NONE,
+            ),
+        ),
+        load=LoadSpec(rate=100, duration_s=20),
+        needs_cuda=True,
+    ),
+    "healthy": Scenario(
+        name="healthy",
+        about="tailguard under load it can carry",
+        sides=(Side("healthy", Setup(TailguardServer()), Cause.NONE),),
+        load=LoadSpec(rate=100, duration_s=8),
+    ),
+}
