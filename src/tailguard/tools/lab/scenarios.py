@@ -98,6 +98,7 @@ _NO_ADMISSION = (
     "1000000",
     "--max-queued-tokens",
     "100000000",
+    "--no-admission-adaptive-cap",
 )
 
 SCENARIOS: dict[str, Scenario] = {
