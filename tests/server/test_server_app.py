@@ -314,3 +314,70 @@ async def test_gate_starts_a_bounded_slice_of_handlers_per_iteration_in_order() 
     assert passed == [0, 1]
     await asyncio.gather(*tasks)
     assert passed == list(range(7))  # the rest followed, oldest first
+
+
+async def test_request_path_metrics_are_exact_at_every_scrape() -> None:
+    from prometheus_client import generate_latest
+
+    async with running_app() as app:
+        for _ in range(3):
+            assert (await request(app, "POST", "/v1/infer", INFER)).status == 200
+        latency = 'mistral_inference_latency_seconds_count{endpoint="infer",outcome="ok"} 3.0'
+        # through /metrics, and through the registry directly (the flush runs before collection)
+        assert latency in (await request(app, "GET", "/metrics")).body.decode()
+        assert (await request(app, "POST", "/v1/infer", INFER)).status == 200
+        text = generate_latest(app.metrics.registry).decode()
+        assert latency.replace("3.0", "4.0") in text
+        assert 'tailguard_requests_total{endpoint="infer",outcome="ok"} 4.0' in text
+        assert 'tailguard_queue_seconds_count{priority="interactive"} 4.0' in text
+        le = 'mistral_inference_latency_seconds_bucket{endpoint="infer",le="+Inf",outcome="ok"} 4.0'
+        assert le in text
+
+
+def test_hot_histogram_counts_buckets_as_prometheus_client_does() -> None:
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from tailguard.server.metrics import SLA_BUCKETS, HotHistogram
+
+    values = [0.0, 0.005, 0.0050001, 0.15, 0.1500001, 9.99, 10.0, 11.0, -1.0]
+    ref = Histogram("ref", "r", buckets=SLA_BUCKETS, registry=CollectorRegistry())
+    hot_child = Histogram("hot", "h", buckets=SLA_BUCKETS, registry=CollectorRegistry())
+    hot = HotHistogram(hot_child)
+    for v in values:
+        ref.observe(v)
+        hot.observe(v)
+    hot.flush()
+    assert [(s.labels, s.value) for s in ref.collect()[0].samples if "created" not in s.name] == [
+        (s.labels, s.value) for s in hot_child.collect()[0].samples if "created" not in s.name
+    ]
+
+
+async def test_one_write_transport_sends_a_response_in_one_write() -> None:
+    from tailguard.server.http import OneWriteTransport
+
+    class Raw:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+            self.closed = False
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(data)
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+    raw = Raw()
+    t = OneWriteTransport(raw, asyncio.get_running_loop())  # type: ignore[arg-type]
+    t.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    t.write(b"body")
+    assert raw.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody"]
+    t.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # nothing follows in this iteration
+    assert len(raw.writes) == 1
+    await asyncio.sleep(0)
+    assert raw.writes[-1] == b"HTTP/1.1 100 Continue\r\n\r\n"
+    t.write(b"last")
+    t.close()  # a held write goes out before the close
+    assert raw.writes[-1] == b"last" and raw.closed

@@ -13,7 +13,6 @@ import itertools
 import os
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -32,6 +31,7 @@ from tailguard.errors import (
 )
 
 if TYPE_CHECKING:
+    from tailguard.core.admission import AdmissionController
     from tailguard.server.app import App, Call
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
 JSON = [(b"content-type", b"application/json")]
 _ids = itertools.count()
 _PREFIX = os.urandom(4).hex()
+_KIND_NAMES = {k: k.name.lower() for k in RequestKind}
 
 
 def new_id(kind: str) -> str:
@@ -72,8 +73,9 @@ def deadline(app: App, call: Call, timeout_s: float | None) -> float:
     """Monotonic deadline: X-Request-Timeout-Ms, else the `timeout` field, else the SLA; capped."""
     cfg = app.config
     ms = cfg.sla_ms
-    raw = call.header(b"x-request-timeout-ms")
-    if raw is not None:
+    raw_b = call.headers.get(b"x-request-timeout-ms")
+    if raw_b is not None:
+        raw = raw_b.decode("latin-1")
         try:
             ms = float(raw)
         except ValueError:
@@ -88,13 +90,18 @@ def deadline(app: App, call: Call, timeout_s: float | None) -> float:
     return call.t_read + min(ms, cfg.max_deadline_ms) / 1e3
 
 
+_PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
+
+
 def priority(app: App, call: Call, field: str | None) -> Priority:
-    name = call.header(b"x-priority") or field or app.config.default_priority
-    if name == "interactive":
-        return Priority.INTERACTIVE
-    if name == "batch":
-        return Priority.BATCH
-    raise InvalidRequestError(f"X-Priority: {name!r}; use interactive or batch", param="X-Priority")
+    raw = call.headers.get(b"x-priority")
+    name = raw.decode("latin-1") if raw else field or app.config.default_priority
+    p = _PRIORITIES.get(name)
+    if p is None:
+        raise InvalidRequestError(
+            f"X-Priority: {name!r}; use interactive or batch", param="X-Priority"
+        )
+    return p
 
 
 def check_ids(app: App, ids: list[int], param: str) -> tuple[int, ...]:
@@ -117,9 +124,18 @@ def check_context(app: App, prompt: int, max_tokens: int, param: str) -> None:
         )
 
 
-def cache_key(call: Call, endpoint: str, req: msgspec.Struct, deterministic: bool) -> bytes | None:
+def cache_key(
+    app: App, call: Call, endpoint: str, req: msgspec.Struct, deterministic: bool
+) -> bytes | None:
+    """The degradation cache's key: the endpoint and every field that shapes the answer.
+
+    None when nothing could be stored or served (cache off, sampled answer, or the client said
+    both no-cache and no-store): `answer` then skips the cache altogether.
+    """
+    if not deterministic or not app.cache.enabled:
+        return None
     cc = (call.header(b"cache-control") or "").lower()
-    if not deterministic or ("no-cache" in cc and "no-store" in cc):
+    if "no-cache" in cc and "no-store" in cc:
         return None
     d = msgspec.to_builtins(req)
     for volatile in ("timeout", "priority", "user", "stream", "stream_options"):
@@ -127,10 +143,21 @@ def cache_key(call: Call, endpoint: str, req: msgspec.Struct, deterministic: boo
     return endpoint.encode() + b":" + orjson.dumps(d, option=orjson.OPT_SORT_KEYS)
 
 
-@dataclass
 class Admitted:
-    request: EngineRequest
-    release: Callable[[], None]
+    """An admitted request: what goes to the engine, and its place in the admission ledger."""
+
+    __slots__ = ("_admission", "_released", "request")
+
+    def __init__(self, request: EngineRequest, admission: AdmissionController) -> None:
+        self.request = request
+        self._admission = admission
+        self._released = False
+
+    def release(self) -> None:
+        """Leave the ledger (idempotent): the answer is in, or the request failed."""
+        if not self._released:
+            self._released = True
+            self._admission.release(self.request.request_id, time.monotonic())
 
 
 def admit(
@@ -145,12 +172,12 @@ def admit(
     **fields: Any,
 ) -> Admitted:
     """Admission decision; raises OverloadedError (503 + Retry-After) if it would be late."""
-    app.require_engine()
-    rid = new_id(kind.name.lower())
-    now = time.monotonic()
+    if not app.engine.ready:
+        app.require_engine()
+    rid = new_id(_KIND_NAMES[kind])
     d = app.admission.decide(
         rid,
-        now_s=now,
+        now_s=time.monotonic(),
         deadline_s=deadline_s,
         prompt_tokens=len(ids),
         output_tokens=output_tokens,
@@ -171,7 +198,7 @@ def admit(
         arrival_s=call.t_read,
         **fields,
     )
-    return Admitted(req, lambda: app.admission.release(rid, time.monotonic()))
+    return Admitted(req, app.admission)
 
 
 def raise_for(out: EngineOutput) -> None:
@@ -244,17 +271,20 @@ async def answer(
     app: App, call: Call, key: bytes | None, compute: Callable[[], Awaitable[bytes]]
 ) -> None:
     """Compute and send a JSON answer; degrade to the cache on overload or OOM."""
+    if key is None:  # nothing to store, nothing to fall back to
+        await call.respond(200, await compute())
+        return
     cc = (call.header(b"cache-control") or "").lower()
     try:
         body: bytes = await compute()
     except (OverloadedError, OutOfMemoryRequestError) as e:
-        cached = app.cache.get(key) if key is not None and "no-cache" not in cc else None
+        cached = app.cache.get(key) if "no-cache" not in cc else None
         if cached is None:
             raise
         app.metrics.cache_hits.labels("overload" if isinstance(e, OverloadedError) else "oom").inc()
         call.outcome = "cache_hit"
         await call.respond(200, cached, [*JSON, (b"x-tailguard-cache", b"hit")])
         return
-    if key is not None and "no-store" not in cc:
+    if "no-store" not in cc:
         app.cache.put(key, body)
     await call.respond(200, body)

@@ -149,7 +149,9 @@ async def run_generation(
                 }
             )
 
-        await flow.answer(app, call, flow.cache_key(call, endpoint, req, deterministic), compute)
+        await flow.answer(
+            app, call, flow.cache_key(app, call, endpoint, req, deterministic), compute
+        )
         return
 
     await _stream(app, call, req, admit, stops, chat, created, usage, observe_timing, priority)

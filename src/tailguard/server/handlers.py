@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import time
 from array import array
 from typing import TYPE_CHECKING, Any
@@ -33,12 +34,19 @@ if TYPE_CHECKING:
 __all__ = ["chat", "completions", "embeddings", "infer"]
 
 
+def _ms(seconds: float) -> float:
+    """Seconds -> milliseconds rounded to 3 decimals (round(x, 3) is ~3x slower: it goes
+    through a decimal conversion)."""
+    return math.floor(seconds * 1e6 + 0.5) / 1e3
+
+
 # ---- /v1/infer --------------------------------------------------------------------------------
 
 
 async def infer(app: App, call: Call) -> None:
     req = decode(call.body, InferRequest)
-    flow.check_model(app, req.model)
+    if req.model is not None:
+        flow.check_model(app, req.model)
     if (req.prompt is None) == (req.input_ids is None):
         raise InvalidRequestError(
             "give exactly one of `prompt` (string) or `input_ids`", param="prompt"
@@ -69,26 +77,27 @@ async def infer(app: App, call: Call) -> None:
             pooling=Pooling.MEAN if req.pooling == "mean" else Pooling.LAST,
         )
         out = await flow.single(app, call, adm)
+        text = app.token_text
         body: dict[str, Any] = {
             "id": adm.request.request_id,
             "object": "inference",
             "model": app.model_name,
             "top_k": [
-                {"token_id": t, "logprob": lp, "token": app.token_text(t)}
-                for t, lp in (out.top_logprobs or [])
+                {"token_id": t, "logprob": lp, "token": text(t)}
+                for t, lp in (out.top_logprobs or ())
             ],
             "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids)},
             "timing": {
-                "queue_ms": round(out.queue_s * 1e3, 3),
-                "compute_ms": round(out.compute_s * 1e3, 3),
-                "server_ms": round((time.monotonic() - call.t_read) * 1e3, 3),
+                "queue_ms": _ms(out.queue_s),
+                "compute_ms": _ms(out.compute_s),
+                "server_ms": _ms(time.monotonic() - call.t_read),
             },
         }
         if req.embedding:
             body["embedding"] = out.embedding
         return orjson.dumps(body)
 
-    await flow.answer(app, call, flow.cache_key(call, "infer", req, True), compute)
+    await flow.answer(app, call, flow.cache_key(app, call, "infer", req, True), compute)
 
 
 # ---- /v1/embeddings ---------------------------------------------------------------------------
@@ -143,7 +152,7 @@ async def embeddings(app: App, call: Call) -> None:
             }
         )
 
-    await flow.answer(app, call, flow.cache_key(call, "embeddings", req, True), compute)
+    await flow.answer(app, call, flow.cache_key(app, call, "embeddings", req, True), compute)
 
 
 # ---- /v1/completions and /v1/chat/completions -------------------------------------------------
