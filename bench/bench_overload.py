@@ -62,7 +62,10 @@ async def _client(url: str, n: int, timeout_s: float) -> dict[str, Any]:
                     rec["retry_after"] = r.headers.get("Retry-After")
                     if r.status == 200:
                         with contextlib.suppress(Exception):
-                            rec["server_ms"] = json.loads(body)["timing"]["server_ms"]
+                            timing = json.loads(body)["timing"]
+                            rec["server_ms"] = timing["server_ms"]
+                            rec["queue_ms"] = timing.get("queue_ms")
+                            rec["compute_ms"] = timing.get("compute_ms")
             except TimeoutError:
                 rec["error"] = "timeout"
             except aiohttp.ClientError as e:
@@ -166,6 +169,9 @@ def summarize(name: str, res: dict[str, Any], metrics: str, sla_s: float) -> dic
         "p99": pct(server_ms, 0.99),
         "max": pct(server_ms, 1.0),
     }
+    for part in ("queue_ms", "compute_ms"):  # where an admitted request's server time went
+        vals = [r[part] for r in recs if r.get(part) is not None]
+        s[f"ok_{part}"] = {"p50": pct(vals, 0.5), "p99": pct(vals, 0.99)}
     ok = hist(metrics, "mistral_inference_latency_seconds", {"endpoint": "infer", "outcome": "ok"})
     if ok.get("+Inf"):
         s["server_ok_within_sla"] = ok[_le(sla_s)] / ok["+Inf"]
@@ -252,6 +258,13 @@ def main() -> int:
     return 0
 
 
+def _pair(s: dict[str, Any], key: str) -> str:
+    v = s.get(key) or {}
+    if not v or v.get("p50") != v.get("p50"):  # absent or NaN (the naive server has no timing)
+        return "-"
+    return f"{v['p50']:.0f} / {v['p99']:.0f}"
+
+
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     def f(x: Any) -> str:
         if isinstance(x, float):
@@ -277,6 +290,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         ("client max ms (503)", lambda s: s["client_503_ms"]["max"]),
         ("server p99 ms (200)", lambda s: s["server_ok_ms"]["p99"]),
         ("server max ms (200)", lambda s: s["server_ok_ms"]["max"]),
+        ("  of which queue p50 / p99 ms", lambda s: _pair(s, "ok_queue_ms")),
+        ("  of which compute p50 / p99 ms", lambda s: _pair(s, "ok_compute_ms")),
         (f"server 200 within {args.sla_ms:g} ms", lambda s: s.get("server_ok_within_sla", "-")),
         ("server 503 within 10 ms", lambda s: s.get("server_rejections_within_10ms", "-")),
         ("server 503 within 25 ms", lambda s: s.get("server_rejections_within_25ms", "-")),

@@ -55,6 +55,10 @@ class EngineConfig:
     threads: int = field(default_factory=default_engine_threads)
     """Intra-op threads in the engine process (every other process uses 1). Default: the cores
     available less one, which the HTTP front end needs under load."""
+    nice: int = -5
+    """Scheduling niceness of the engine process (-20..19). Negative lets its steps preempt the
+    HTTP process and co-located clients when cores are contended; needs CAP_SYS_NICE (root),
+    else the engine keeps the default priority and logs why."""
     max_restarts: int = 3
     """Engine process restarts before the server gives up (stays not-ready)."""
     seed: int = 0
@@ -106,4 +110,5 @@ class EngineConfig:
             f"{self.max_num_batched_tokens}: add a bucket or lower the budget",
         )
         need(self.threads >= 1, f"threads={self.threads}: must be >= 1")
+        need(-20 <= self.nice <= 19, f"nice={self.nice}: must be in -20..19")
         need(self.max_restarts >= 0, f"max_restarts={self.max_restarts}: must be >= 0")

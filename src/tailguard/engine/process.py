@@ -42,6 +42,20 @@ def config_from_json(text: str) -> EngineConfig:
     return EngineConfig(**raw)
 
 
+def set_priority(nice: int) -> None:
+    """Raise (or lower) this process's CPU priority; without the permission, say so and go on."""
+    if nice == 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except PermissionError:
+        print(
+            f"tailguard engine: cannot set nice={nice} (needs CAP_SYS_NICE); "
+            "running at the default priority",
+            file=sys.stderr,
+        )
+
+
 def serve(config: EngineConfig, input_addr: str, output_addr: str) -> int:
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -107,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)
     config = config_from_json(args.config_json)
+    set_priority(config.nice)
     if config.device.startswith("cuda"):
         from tailguard.engine.allocator import configure_cuda_allocator
 
