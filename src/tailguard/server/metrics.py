@@ -17,31 +17,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.registry import Collector
 
+from tailguard.core.sla import SLA_BUCKETS
 from tailguard.core.stats import EngineStats, StepStats
 
 __all__ = ["CONTENT_TYPE", "SLA_BUCKETS", "ServerMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-SLA_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.125,
-    0.15,
-    0.18,
-    0.2,
-    0.25,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

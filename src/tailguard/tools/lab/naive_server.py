@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 
+from tailguard.core.sla import SLA_BUCKETS
 from tailguard.model.batch import NULL_BLOCK, AttnGroup, ForwardBatch
 from tailguard.model.embedded import default_model_dir
 from tailguard.model.loader import load_model
@@ -33,26 +34,6 @@ from tailguard.model.tokenizer import load_tokenizer
 __all__ = ["build_app", "main"]
 
 BLOCK = 16
-SLA_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.125,
-    0.15,
-    0.18,
-    0.2,
-    0.25,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
 
 
 def forward_one(model: MistralModel, ids: list[int], top_k: int) -> dict[str, Any]:
