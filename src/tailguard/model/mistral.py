@@ -185,6 +185,7 @@ class DecoderLayer(nn.Module):
 class MistralModel(nn.Module):
     rope_cos: Tensor  # [P, hd] fp32 buffer
     rope_sin: Tensor  # [P, hd] fp32 buffer
+    _head_t: Tensor | None = None  # [H, vocab] copy of the output head, made on first use
 
     def __init__(self, config: MistralConfig, max_seq_len: int | None = None) -> None:
         super().__init__()
@@ -234,8 +235,14 @@ class MistralModel(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, H] -> [N, vocab] fp32 (sampling and log-probs want fp32 whatever the weights)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        head_t = self._head_t
+        if head_t is None or head_t.device != hidden.device or head_t.dtype != hidden.dtype:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            # The output head is the largest matmul of a step. A [H, vocab] copy lets it run as
+            # a plain x @ W: measured on the 2-core CPU, 2.2 -> 0.8 ms for one row and 29 -> 21
+            # ms for 64 rows against F.linear's x @ W.T. Weights are frozen while serving.
+            head_t = self._head_t = weight.detach().t().contiguous()  # [H, vocab]
+        return (hidden @ head_t).float()
 
     def load_hf_weights(self, tensors: Mapping[str, Tensor]) -> None:
         """Take Hugging Face-named tensors (already validated and cast) and fuse projections.
@@ -262,6 +269,7 @@ class MistralModel(nn.Module):
             )
             sd[f"layers.{i}.mlp.w2.weight"] = tensors[hf + "mlp.down_proj.weight"]
         self.load_state_dict(sd, strict=True, assign=True)
+        self._head_t = None  # new weights: rebuild the transposed head on first use
 
 
 def _rope_table(max_len: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
