@@ -31,6 +31,7 @@ __all__ = [
     "OverloadedError",
     "PayloadTooLargeError",
     "QuotaExceededError",
+    "RetryLaterError",
     "TailguardError",
     "UnauthorizedError",
 ]
@@ -101,44 +102,35 @@ class MethodNotAllowedError(TailguardError):
     error_type = "invalid_request_error"
 
 
-class QuotaExceededError(TailguardError):
-    status = 429
-    label = "quota"
-    error_type = "rate_limit_exceeded"
-
-    def __init__(self, message: str, *, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    def to_dict(self) -> dict[str, object]:
-        body = super().to_dict()
-        body["error"]["retry_after_s"] = self.retry_after_s  # type: ignore[index]
-        return body
-
-
-class OverloadedError(TailguardError):
-    status = 503
-    label = "overloaded"
-    error_type = "overloaded"
-
-    def __init__(self, message: str, *, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    def to_dict(self) -> dict[str, object]:
-        body = super().to_dict()
-        body["error"]["retry_after_s"] = self.retry_after_s  # type: ignore[index]
-        return body
-
-
-class EngineUnavailableError(TailguardError):
-    status = 503
-    label = "engine_down"
-    error_type = "engine_unavailable"
+class RetryLaterError(TailguardError):
+    """An error that tells the client when to come back (HTTP `Retry-After`)."""
 
     def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+    def to_dict(self) -> dict[str, object]:
+        body = super().to_dict()
+        body["error"]["retry_after_s"] = self.retry_after_s  # type: ignore[index]
+        return body
+
+
+class QuotaExceededError(RetryLaterError):
+    status = 429
+    label = "quota"
+    error_type = "rate_limit_exceeded"
+
+
+class OverloadedError(RetryLaterError):
+    status = 503
+    label = "overloaded"
+    error_type = "overloaded"
+
+
+class EngineUnavailableError(RetryLaterError):
+    status = 503
+    label = "engine_down"
+    error_type = "engine_unavailable"
 
 
 class DeadlineExpiredError(TailguardError):
