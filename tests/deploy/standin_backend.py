@@ -17,26 +17,7 @@ import time
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-SLA_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.125,
-    0.15,
-    0.18,
-    0.2,
-    0.25,
-    0.3,
-    0.5,
-    0.75,
-    1,
-    2.5,
-    5,
-    10,
-)
+from tailguard.core.sla import SLA_BUCKETS
 
 
 def build_app(
