@@ -35,6 +35,7 @@ import aiohttp
 import yaml
 
 from tailguard.deploy.envoy import EnvoySettings, Replica, find_envoy, render
+from tailguard.deploy.tls import self_signed_cert
 
 REPO = Path(__file__).resolve().parent.parent
 STANDIN = REPO / "tests" / "deploy" / "standin_backend.py"
@@ -86,27 +87,7 @@ def wait_for(url: str, body_has: str = "", timeout_s: float = 30) -> None:
 
 
 def make_cert(d: Path) -> tuple[str, str]:
-    cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=localhost",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    cert, key = self_signed_cert(d, rsa=True)  # RSA-2048: the handshake cost being priced
     return str(cert), str(key)
 
 

@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from tailguard.deploy.envoy import EnvoySettings, Replica, find_envoy, render
+from tailguard.deploy.tls import self_signed_cert
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
@@ -240,28 +241,5 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """A self-signed certificate for 127.0.0.1 / localhost (openssl CLI)."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI missing")
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    cert, key = self_signed_cert(tmp_path_factory.mktemp("tls"), rsa=True)
     return str(cert), str(key)

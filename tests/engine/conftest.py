@@ -9,25 +9,19 @@ from pathlib import Path
 import pytest
 
 from tailguard.engine.config import EngineConfig
-from tailguard.model.config import MistralConfig
-from tailguard.model.embedded import write_checkpoint
+from tailguard.model.embedded import EMBEDDED_CONFIG, write_checkpoint
 
-TINY = MistralConfig(
+# The embedded model's architecture, shrunk: only the sizes differ.
+TINY = dataclasses.replace(
+    EMBEDDED_CONFIG,
     vocab_size=512,
     hidden_size=64,
     intermediate_size=128,
-    num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
     max_position_embeddings=2048,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
     sliding_window=256,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    torch_dtype="float32",
     source="<tiny test model>",
 )
 

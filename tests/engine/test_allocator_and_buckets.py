@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from tailguard.engine.allocator import CUDA_ALLOC_CONF, allocator_stats, from_memory_stats
+from tailguard.engine.allocator import (
+    CUDA_ALLOC_CONF,
+    allocator_stats,
+    configure_cuda_allocator,
+    from_memory_stats,
+)
 from tailguard.engine.buckets import ShapeTracker, bucket_for, warmup_shapes
 from tailguard.engine.config import EngineConfig
 from tailguard.errors import ConfigError
@@ -40,8 +47,17 @@ def test_missing_keys_read_as_zero_and_cpu_reports_rss() -> None:
     assert cpu.device == "cpu" and cpu.rss_bytes == 42 and cpu.reserved_bytes == 0
 
 
-def test_allocator_config_is_the_variable_pytorch_reads() -> None:
+def test_allocator_config_is_the_variable_pytorch_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     assert CUDA_ALLOC_CONF == "expandable_segments:True"  # not max_split_size_mb: never both
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("TORCH_CUDA_ALLOC_CONF", raising=False)
+    configure_cuda_allocator()
+    # PyTorch reads PYTORCH_CUDA_ALLOC_CONF; the runbook's TORCH_CUDA_ALLOC_CONF is ignored by it
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == CUDA_ALLOC_CONF
+    assert "TORCH_CUDA_ALLOC_CONF" not in os.environ
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:native")
+    configure_cuda_allocator()  # an operator's own setting wins
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:native"
 
 
 def test_bucket_for_picks_the_smallest_bucket_that_fits() -> None:

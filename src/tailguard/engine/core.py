@@ -145,7 +145,7 @@ class EngineCore:
         dt = now - t0
         self.steps += 1
         n_tokens = plan.num_tokens
-        shape = (0, 0) if not plan.scheduled else self.runner.last_shape
+        shape = self.runner.last_shape
         self._step_s_ewma = dt if self.steps == 1 else (1 - EWMA) * self._step_s_ewma + EWMA * dt
         rate = n_tokens / dt if dt > 0 else 0.0
         self._tokens_per_s = (

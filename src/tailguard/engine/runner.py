@@ -172,7 +172,7 @@ class ModelRunner:
         self.shapes.record((num_seqs, num_tokens))
 
     def execute(self, items: list[ScheduledSeq]) -> list[SeqResult]:
-        if self._oom_ids and len(self._oom_ids & {i.seq.request_id for i in items}):
+        if self._oom_ids and not self._oom_ids.isdisjoint(i.seq.request_id for i in items):
             raise InjectedOOM(f"injected out-of-memory (test hook) in a batch of {len(items)}")
         plan = _Plan.build(items, self.config, self.device)
         with torch.inference_mode():

@@ -18,6 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tailguard.deploy.tls import self_signed_cert
+from tailguard.errors import ConfigError
+
 
 class LabError(RuntimeError):
     """A setup could not be started (the message says which process and where its log is)."""
@@ -104,39 +107,11 @@ def stop(p: Proc, timeout_s: float = 10.0) -> None:
 
 
 def make_tls_cert(folder: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 / localhost (the load client trusts it through
-    SSL_CERT_FILE). openssl ships with the OS; the lab does not add a crypto dependency."""
-    folder.mkdir(parents=True, exist_ok=True)
-    cert, key = folder / "lab-cert.pem", folder / "lab-key.pem"
-    if cert.is_file() and key.is_file():
-        return cert, key
-    cmd = [
-        "openssl",
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=localhost",
-        "-keyout",
-        str(key),
-        "-out",
-        str(cert),
-        "-addext",
-        "subjectAltName=IP:127.0.0.1,DNS:localhost",
-    ]
+    """The lab's certificate (the load client trusts it through SSL_CERT_FILE)."""
     try:
-        subprocess.run(cmd, check=True, capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise LabError(
-            f"could not make a TLS certificate with openssl ({e}); install openssl"
-        ) from e
-    return cert, key
+        return self_signed_cert(folder, name="lab")
+    except ConfigError as e:
+        raise LabError(str(e)) from e
 
 
 def has_cuda() -> bool:
