@@ -1,4 +1,4 @@
-"""The ASGI app in-process with the simulated engine: shapes, errors, admission, degradation."""
+"""The app in-process with the simulated engine: shapes, errors, admission, degradation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import orjson
 import pytest
-from tests.server.server_asgi import request, running_app
+from tests.server.inproc import request, running_app
 
 INFER = {"prompt": "the quick brown fox", "top_k": 3}
 
@@ -93,7 +93,6 @@ async def test_stop_strings_cut_the_text() -> None:
         ("POST", "/v1/embeddings", {"input": [{"a": 1}]}, 400, "input"),
         ("GET", "/v1/infer", None, 405, None),
         ("GET", "/nowhere", None, 404, None),
-        ("POST", "/v1/infer", b"x" * 2_000_000, 413, None),
     ],
 )
 async def test_bad_input_gets_an_openai_shaped_error(
@@ -350,34 +349,3 @@ def test_hot_histogram_counts_buckets_as_prometheus_client_does() -> None:
     assert [(s.labels, s.value) for s in ref.collect()[0].samples if "created" not in s.name] == [
         (s.labels, s.value) for s in hot_child.collect()[0].samples if "created" not in s.name
     ]
-
-
-async def test_one_write_transport_sends_a_response_in_one_write() -> None:
-    from tailguard.server.http import OneWriteTransport
-
-    class Raw:
-        def __init__(self) -> None:
-            self.writes: list[bytes] = []
-            self.closed = False
-
-        def write(self, data: bytes) -> None:
-            self.writes.append(data)
-
-        def is_closing(self) -> bool:
-            return self.closed
-
-        def close(self) -> None:
-            self.closed = True
-
-    raw = Raw()
-    t = OneWriteTransport(raw, asyncio.get_running_loop())  # type: ignore[arg-type]
-    t.write(b"HTTP/1.1 200 OK\r\n\r\n")
-    t.write(b"body")
-    assert raw.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody"]
-    t.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # nothing follows in this iteration
-    assert len(raw.writes) == 1
-    await asyncio.sleep(0)
-    assert raw.writes[-1] == b"HTTP/1.1 100 Continue\r\n\r\n"
-    t.write(b"last")
-    t.close()  # a held write goes out before the close
-    assert raw.writes[-1] == b"last" and raw.closed

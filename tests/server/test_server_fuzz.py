@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.server.server_asgi import request, running_app
+from tests.server.inproc import request, running_app
 
 ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/infer"]
 ALLOWED = {200, 400, 404, 413, 503, 504}

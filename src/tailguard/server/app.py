@@ -1,10 +1,12 @@
-"""The ASGI application: routing, body reading, auth, errors, and the operational endpoints.
+"""The application: routing, auth, errors, and the operational endpoints.
 
-A raw ASGI app rather than a framework: on this machine FastAPI served about a third of the
-requests per second of a raw ASGI app, and the 10,000-connection burst is front-end bound.
-Per request: route -> auth -> read body (bounded) -> handler (handlers.py) -> one answer,
-timed from "request read" to "response written" for `mistral_inference_latency_seconds`.
-The engine runs in another process; nothing here imports torch.
+No framework and no ASGI: on this machine FastAPI served about a third of the requests per
+second of a raw ASGI app, and a minimal httptools protocol about four times a raw ASGI app on
+uvicorn (tailguard.server.http). The connection reads a whole request (body bounded), builds a
+`Call` and awaits `App.handle(call)`: route -> handler gate -> auth/quota -> handler
+(handlers.py) -> one answer, timed from "request read" to "response written" for
+`mistral_inference_latency_seconds`. The engine runs in another process; nothing here imports
+torch.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -29,7 +31,6 @@ from tailguard.errors import (
     EngineUnavailableError,
     MethodNotAllowedError,
     NotFoundError,
-    PayloadTooLargeError,
     QuotaExceededError,
     TailguardError,
     UnauthorizedError,
@@ -45,11 +46,6 @@ __all__ = ["App", "Call"]
 
 log = logging.getLogger("tailguard.server")
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 JSON = [(b"content-type", b"application/json")]
 # tailguard_rejections_total{reason}: refusals, as opposed to failures (oom, internal)
 REJECTION_REASONS = frozenset(
@@ -57,117 +53,72 @@ REJECTION_REASONS = frozenset(
 )
 
 
-class DisconnectWatch:
-    """Cancels the handler of a request whose client disconnected, once it has run `after_s`.
+class Conn(Protocol):
+    """Where a Call's answer goes: the HTTP connection (tailguard.server.http.HttpProtocol), or
+    a recorder in in-process tests. It frames the bytes; Call decides what to say."""
 
-    Most answers are done within a few ms, so a request is only noted when it reaches the engine
-    (`Call.watch_disconnect`: one dict insert) and a sweep every `after_s / 2` starts a watcher
-    task for the requests still running after `after_s`. Cheaper than a timer per request, and
-    far cheaper than a task per request. A client gone earlier is noticed within 1.5 x after_s.
-    """
+    def send_response(
+        self, call: Call, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> None: ...
 
-    def __init__(self, after_s: float = 0.02) -> None:
-        self.after_s = after_s
-        self._noted: dict[Call, float] = {}  # call -> time.monotonic() when noted; oldest first
+    def send_head(self, call: Call, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
 
-    def note(self, call: Call) -> None:
-        self._noted[call] = time.monotonic()
-
-    def forget(self, call: Call) -> None:
-        self._noted.pop(call, None)
-
-    def sweep(self, now: float) -> None:
-        cutoff = now - self.after_s
-        noted = self._noted
-        while noted:
-            call = next(iter(noted))
-            if noted[call] > cutoff:
-                return
-            del noted[call]
-            call.start_watch()
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.after_s / 2)
-            self.sweep(time.monotonic())
+    async def send_chunk(self, call: Call, data: bytes, more: bool) -> None: ...
 
 
-@dataclass(eq=False, slots=True)  # compared and hashed by identity (DisconnectWatch keys on it)
+@dataclass(eq=False, slots=True)
 class Call:
-    """One HTTP request on its way through the server."""
+    """One HTTP request on its way through the server: built by the connection once the whole
+    request is read, handed to `App.handle`, answered through `conn`."""
 
-    scope: Scope
-    receive: Receive
-    send: Send
-    headers: dict[bytes, bytes]
-    endpoint: str  # metric label: completions, chat, embeddings, infer ("" for ops endpoints)
-    task: asyncio.Task[Any] | None = None  # the task handling this request
-    watch: DisconnectWatch | None = None  # where `watch_disconnect` notes this request
-    body: bytes = b""
-    t_read: float = 0.0  # time.monotonic() when the body was fully read
+    method: str
+    path: str
+    headers: dict[bytes, bytes]  # lower-case names; repeated headers joined with ", "
+    body: bytes
+    client: str  # peer address (for per-client quotas)
+    conn: Conn
+    keep_alive: bool = True  # the connection stays open after the answer
+    endpoint: str = ""  # metric label: completions, chat, embeddings, infer ("" for ops endpoints)
+    task: asyncio.Task[None] | None = None  # the task handling this request
+    error: TailguardError | None = None  # found while reading (413): answered without a handler
+    t_read: float = 0.0  # time.monotonic() when the handler started on the read request
     outcome: str = "ok"  # metric label of the answer
     started: bool = False  # response headers sent
+    done: bool = False  # the whole answer sent
     extra_headers: tuple[tuple[bytes, bytes], ...] = ()  # added to every response's headers
-    disconnected: bool = False  # the client went away (set by the watcher)
-    _watcher: asyncio.Task[None] | None = None
+    disconnected: bool = False  # the client went away
 
-    def watch_disconnect(self) -> None:
-        """Cancel this request's handler if the client disconnects (see DisconnectWatch).
-
-        Called once a request reaches the engine: from then on the engine holds resources for
-        a client that may be gone.
-        """
-        if self.watch is not None and self.task is not None:
-            self.watch.note(self)
-
-    def start_watch(self) -> None:
-        if self._watcher is None and self.task is not None and not self.task.done():
-            self._watcher = self.task.get_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        while (await self.receive())["type"] != "http.disconnect":
-            pass
+    def disconnect(self) -> None:
+        """The client is gone: cancel the handler (closing the engine stream aborts the request)."""
         self.disconnected = True
-        if self.task is not None:
+        if self.task is not None and not self.task.done():
             self.task.cancel()
-
-    def stop_watching(self) -> None:
-        if self.watch is not None:
-            self.watch.forget(self)
-        if self._watcher is not None:
-            self._watcher.cancel()
 
     def header(self, name: bytes) -> str | None:
         v = self.headers.get(name)
         return v.decode("latin-1") if v is not None else None
 
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Send the status and headers of a streamed answer (chunked transfer encoding)."""
         self.started = True
         if self.extra_headers:
             headers = [*headers, *self.extra_headers]
-        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        self.conn.send_head(self, status, headers)
 
     async def body_part(self, data: bytes, more: bool) -> None:
-        await self.send({"type": "http.response.body", "body": data, "more_body": more})
+        if not more:
+            self.done = True
+        await self.conn.send_chunk(self, data, more)
 
-    async def respond(
-        self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = JSON
-    ) -> None:
-        self.started = True
+    def respond(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = JSON) -> None:
+        """Send a whole answer (one write on a socket)."""
+        self.started = self.done = True
         if self.extra_headers:
             headers = [*headers, *self.extra_headers]
-        send = self.send
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [*headers, (b"content-length", b"%d" % len(body))],
-            }
-        )
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        self.conn.send_response(self, status, headers, body)
 
-    async def respond_json(self, obj: Any, status: int = 200) -> None:
-        await self.respond(status, orjson.dumps(obj))
+    def respond_json(self, obj: Any, status: int = 200) -> None:
+        self.respond(status, orjson.dumps(obj))
 
 
 Handler = Callable[[Call], Awaitable[None]]
@@ -279,8 +230,6 @@ class App:
         self._openapi: bytes | None = None
         self._token_text: dict[int, str] = {}
         self.gate = IterationGate(config.handlers_per_iteration)
-        self.watch = DisconnectWatch()
-        self._loop: asyncio.AbstractEventLoop | None = None  # set by startup / the first request
         self.routes: dict[str, Route] = {
             "/v1/completions": Route(
                 ("POST",), partial(handlers.completions, self), "completions", True
@@ -300,10 +249,9 @@ class App:
     # ---- lifespan ---------------------------------------------------------------------------
     async def startup(self) -> None:
         """Start background work; the engine warms up while /health already answers."""
-        loop = self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._start_engine(), name="engine-start"),
-            loop.create_task(self.watch.run(), name="disconnect-watch"),
             loop.create_task(self._pump_stats(), name="stats-pump"),
             loop.create_task(self._probe_loop_lag(), name="loop-lag"),
         ]
@@ -378,58 +326,29 @@ class App:
             await asyncio.sleep(interval)
             self.metrics.loop_lag.observe(max(time.perf_counter() - t - interval, 0.0))
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            msg = await receive()
-            if msg["type"] == "lifespan.startup":
-                try:
-                    await self.startup()
-                except Exception as e:  # pragma: no cover - reported to the server
-                    await send({"type": "lifespan.startup.failed", "message": str(e)})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif msg["type"] == "lifespan.shutdown":
-                await self.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
     # ---- request path -----------------------------------------------------------------------
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            await self._http(scope, receive, send)
-        elif scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.routes.get(scope["path"])
-        loop = self._loop
-        if loop is None:  # served without lifespan (no startup)
-            loop = self._loop = asyncio.get_running_loop()
-        # current_task(loop): without the loop argument it looks the loop up, a getpid() syscall
-        call = Call(
-            scope,
-            receive,
-            send,
-            dict(scope["headers"]),
-            route.endpoint if route else "",
-            asyncio.current_task(loop),
-            self.watch,
-        )
+    async def handle(self, call: Call) -> None:
+        """Answer one request: route -> gate -> auth/quota -> handler; every error answered
+        here in OpenAI shape, timed from "request read" to "response written"."""
+        route = self.routes.get(call.path)
+        if route is not None:
+            call.endpoint = route.endpoint
         try:
+            if call.error is not None:  # found while reading the request (413)
+                call.t_read = time.monotonic()
+                raise call.error
             if route is None:
                 call.t_read = time.monotonic()
-                raise NotFoundError(f"no route {scope['path']}; see /openapi.json")
-            if scope["method"] not in route.methods:
+                raise NotFoundError(f"no route {call.path}; see /openapi.json")
+            if call.method not in route.methods:
                 call.t_read = time.monotonic()
                 raise MethodNotAllowedError(
-                    f"{scope['method']} is not allowed on {scope['path']}; use "
-                    f"{' or '.join(route.methods)}"
+                    f"{call.method} is not allowed on {call.path}; use {' or '.join(route.methods)}"
                 )
             if route.api and not self.gate.try_enter():
-                # Before the body is read, so server time (read -> written) starts when a
-                # handler slot is free; the wait for a slot is not in it (it is in the client's).
+                # Server time (read -> written) starts when a handler slot is free; the wait
+                # for a slot is not in it (it is in the client's).
                 await self.gate.enter()
-            call.body = await self._read_body(call)
             call.t_read = time.monotonic()
             if route.api and self._client_checks:
                 self._check_client(call)
@@ -437,49 +356,20 @@ class App:
         except asyncio.CancelledError:
             if not call.disconnected:
                 raise
-            # The watcher cancelled us: the engine request is aborted; nobody to answer.
+            # The client went away: the engine request is aborted; nobody to answer.
             call.outcome = "aborted"
         except Exception as exc:
             if not isinstance(exc, TailguardError):
-                log.exception("unhandled error on %s", scope["path"])
+                log.exception("unhandled error on %s", call.path)
             if not call.started:
                 ans = error_answer(exc, allow=",".join(route.methods) if route else None)
                 call.outcome = ans.label
-                await call.respond(ans.status, ans.body, [*JSON, *ans.headers])
+                call.respond(ans.status, ans.body, [*JSON, *ans.headers])
                 if ans.label in REJECTION_REASONS:
                     self.metrics.rejected(ans.label, time.monotonic() - call.t_read)
         finally:
-            call.stop_watching()
             if call.endpoint and call.t_read:
                 self.metrics.answered(call.endpoint, call.outcome, time.monotonic() - call.t_read)
-
-    async def _read_body(self, call: Call) -> bytes:
-        limit = self.config.max_body_bytes
-        length = call.headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise PayloadTooLargeError(
-                f"request body is {length.decode()} bytes; the limit is {limit} (max_body_bytes)"
-            )
-        msg = await call.receive()
-        if msg["type"] == "http.request" and not msg.get("more_body", False):
-            body: bytes = msg.get("body", b"")  # the usual case: the whole body in one message
-            if len(body) <= limit:
-                return body
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            if msg["type"] == "http.disconnect":
-                raise asyncio.CancelledError  # nobody to answer
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLargeError(
-                    f"request body exceeds {limit} bytes (max_body_bytes); send less per request"
-                )
-            chunks.append(chunk)
-            if not msg.get("more_body", False):
-                return b"".join(chunks)
-            msg = await call.receive()
 
     def _check_client(self, call: Call) -> None:
         """Auth first (401 touches nothing), then the client's own quota (429)."""
@@ -491,11 +381,7 @@ class App:
                     "missing or wrong API key: send `Authorization: Bearer <key>`"
                 )
         if self.config.client_quota_rps > 0:
-            client = (
-                auth
-                or call.headers.get(b"x-client-id")
-                or str((call.scope.get("client") or ("?",))[0]).encode()
-            )
+            client = auth or call.headers.get(b"x-client-id") or call.client.encode()
             wait = self.quota.take(client.decode("latin-1"), call.t_read)
             if wait > 0:
                 raise QuotaExceededError(
@@ -521,7 +407,7 @@ class App:
 
     # ---- operational endpoints --------------------------------------------------------------
     async def _health(self, call: Call) -> None:
-        await call.respond_json({"status": "ok"})
+        call.respond_json({"status": "ok"})
 
     async def _ready(self, call: Call) -> None:
         if not self.engine.ready:
@@ -531,15 +417,15 @@ class App:
                     f"(restarts so far: {self.engine.restarts})"
                 )
             )
-            await call.respond(ans.status, ans.body, [*JSON, *ans.headers])
+            call.respond(ans.status, ans.body, [*JSON, *ans.headers])
             return
-        await call.respond_json({"status": "ready", "restarts": self.engine.restarts})
+        call.respond_json({"status": "ready", "restarts": self.engine.restarts})
 
     async def _metrics(self, call: Call) -> None:
-        await call.respond(200, self.metrics.render(), [(b"content-type", CONTENT_TYPE.encode())])
+        call.respond(200, self.metrics.render(), [(b"content-type", CONTENT_TYPE.encode())])
 
     async def _models(self, call: Call) -> None:
-        await call.respond_json(
+        call.respond_json(
             {
                 "object": "list",
                 "data": [
@@ -557,4 +443,4 @@ class App:
     async def _openapi_json(self, call: Call) -> None:
         if self._openapi is None:
             self._openapi = orjson.dumps(openapi_document(self.model_name))
-        await call.respond(200, self._openapi)
+        call.respond(200, self._openapi)

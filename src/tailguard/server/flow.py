@@ -223,7 +223,6 @@ async def outputs(app: App, call: Call, adm: Admitted) -> AsyncGenerator[EngineO
     Consume it inside `contextlib.aclosing`: leaving an async generator un-closed defers its
     `finally` (abort, ledger release) to garbage collection.
     """
-    call.watch_disconnect()  # from here on the engine holds resources for this client
     agen = app.engine.submit(adm.request)
     try:
         async for out in agen:
@@ -251,7 +250,6 @@ async def outputs(app: App, call: Call, adm: Admitted) -> AsyncGenerator[EngineO
 
 async def single(app: App, call: Call, adm: Admitted) -> EngineOutput:
     """The one output of a single-pass request (the hot path of /v1/infer: no extra generator)."""
-    call.watch_disconnect()
     agen = app.engine.submit(adm.request)
     try:
         async for out in agen:
@@ -272,7 +270,7 @@ async def answer(
 ) -> None:
     """Compute and send a JSON answer; degrade to the cache on overload or OOM."""
     if key is None:  # nothing to store, nothing to fall back to
-        await call.respond(200, await compute())
+        call.respond(200, await compute())
         return
     cc = (call.header(b"cache-control") or "").lower()
     try:
@@ -283,8 +281,8 @@ async def answer(
             raise
         app.metrics.cache_hits.labels("overload" if isinstance(e, OverloadedError) else "oom").inc()
         call.outcome = "cache_hit"
-        await call.respond(200, cached, [*JSON, (b"x-tailguard-cache", b"hit")])
+        call.respond(200, cached, [*JSON, (b"x-tailguard-cache", b"hit")])
         return
     if "no-store" not in cc:
         app.cache.put(key, body)
-    await call.respond(200, body)
+    call.respond(200, body)

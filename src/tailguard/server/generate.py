@@ -204,7 +204,7 @@ async def _stream(
         async with contextlib.aclosing(flow.outputs(app, call, adm)) as it:
             async for out in it:
                 if not call.started:
-                    await call.start(200, SSE)
+                    call.start(200, SSE)
                     await call.body_part(chunk("" if chat else None, None, first=True), True)
                 if first_s is None and out.new_token_ids:
                     first_s = time.monotonic()
@@ -226,7 +226,7 @@ async def _stream(
         return
     observe_timing(first_s, time.monotonic(), n_out)
     if not call.started:
-        await call.start(200, SSE)
+        call.start(200, SSE)
     tail = [chunk(None, _finish_name(reason, text.stopped))]
     opts = getattr(req, "stream_options", None)
     body = b"".join(tail)

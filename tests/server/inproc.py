@@ -1,0 +1,96 @@
+"""A minimal in-process driver: one request in, status + headers + body out.
+
+It builds the `Call` the HTTP connection would build and records what the app answers through
+the `Conn` interface, so in-process tests exercise the app without sockets (the HTTP framing
+itself is tested over real sockets in test_server_http.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from tailguard.server.app import App, Call
+from tailguard.server.cli import build_app
+from tailguard.server.config import ServerConfig, load_config
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    chunks: list[bytes] = field(default_factory=list)
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+class Recorder:
+    """A `Conn` that keeps what the app sends."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.chunks: list[bytes] = []
+
+    def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        assert self.status == 0, "answered twice"
+        self.status = status
+        self.headers.update({k.decode(): v.decode() for k, v in headers})
+
+    def send_response(
+        self, call: Call, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> None:
+        self._head(status, headers)
+        self.chunks.append(body)
+
+    def send_head(self, call: Call, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self._head(status, headers)
+
+    async def send_chunk(self, call: Call, data: bytes, more: bool) -> None:
+        self.chunks.append(data)
+
+
+async def request(
+    app: App,
+    method: str,
+    path: str,
+    body: bytes | dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+    disconnect_after_s: float | None = None,
+) -> Response:
+    raw = orjson.dumps(body) if isinstance(body, dict) else (body or b"")
+    hdrs = {k.lower().encode(): v.encode() for k, v in (headers or {}).items()}
+    rec = Recorder()
+    call = Call(method, path, hdrs, raw, "127.0.0.1", rec)
+    task = asyncio.get_running_loop().create_task(app.handle(call))
+    call.task = task
+    if disconnect_after_s is not None:
+        asyncio.get_running_loop().call_later(disconnect_after_s, call.disconnect)
+    await task
+    return Response(rec.status, rec.headers, b"".join(rec.chunks), rec.chunks)
+
+
+def make_config(**kw: Any) -> ServerConfig:
+    kw.setdefault("engine", "simulated")
+    return load_config(None, kw)
+
+
+@contextlib.asynccontextmanager
+async def running_app(**kw: Any) -> Any:
+    """An app whose engine is started and warm (lifespan startup done)."""
+    app = build_app(make_config(**kw))
+    await app.startup()
+    for _ in range(200):
+        if app.engine.ready:
+            break
+        await asyncio.sleep(0.01)
+    try:
+        yield app
+    finally:
+        await app.shutdown()
