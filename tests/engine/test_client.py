@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tests.engine.conftest import tiny_engine_config
 
-from tailguard.core.request import EngineRequest, FinishReason, SamplingParams
+from tailguard.core.request import EngineRequest, FinishReason, RequestKind, SamplingParams
 from tailguard.engine.client import EngineClient
 from tailguard.errors import EngineUnavailableError
 
@@ -20,6 +20,12 @@ def req(rid: str, max_tokens: int = 6) -> EngineRequest:
         request_id=rid,
         prompt_token_ids=(5, 6, 7, 8),
         sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+def score(rid: str) -> EngineRequest:
+    return EngineRequest(
+        request_id=rid, prompt_token_ids=(5, 6, 7, 8), kind=RequestKind.SCORE, top_k=3
     )
 
 
@@ -40,6 +46,18 @@ async def test_client_streams_aborts_and_survives_engine_death(tiny_model_dir: P
         results = await asyncio.gather(*(collect(client, req(f"r{i}")) for i in range(16)))
         assert all(len(t) == 6 for t in results)
         assert len({tuple(t) for t in results}) == 1  # same prompt, greedy: same tokens
+
+        # single-pass requests through run(): one final output each, identical for one prompt
+        outs = await asyncio.gather(*(client.run(score(f"s{i}")) for i in range(8)))
+        assert all(o.finish_reason == FinishReason.DONE for o in outs)
+        assert all(len(o.top_logprobs or []) == 3 for o in outs)
+        assert len({tuple(o.top_logprobs or []) for o in outs}) == 1
+        gone = asyncio.create_task(client.run(score("gone")))
+        await asyncio.sleep(0)
+        gone.cancel()  # cancelled before its answer: nothing is left waiting for it
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert not client._waiters
 
         # abort mid-stream by closing the iterator: blocks go back to the pool
         it = client.submit(req("long", max_tokens=500))

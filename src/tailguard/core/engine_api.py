@@ -28,6 +28,16 @@ class EngineClientProtocol(Protocol):
         """
         ...
 
+    async def run(self, request: EngineRequest) -> EngineOutput:
+        """A single-pass request (score or embed): its one, final output.
+
+        The hot path of /v1/infer: one future instead of a queue and an async generator.
+        Cancelling the await aborts the request in the engine. A failed request returns its
+        final output with the failure's finish_reason; a dead engine raises
+        EngineUnavailableError.
+        """
+        ...
+
     async def abort(self, request_id: str) -> None:
         """Cancel a request at any point; its blocks return to the pool."""
 

@@ -52,6 +52,7 @@ class EngineClient:
         self._restarts = 0
         self._closing = False
         self._queues: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
+        self._waiters: dict[str, asyncio.Future[EngineOutput]] = {}  # single-pass requests
         self._proc: subprocess.Popen[bytes] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._ipc_dir = tempfile.mkdtemp(prefix="tailguard-ipc-")
@@ -185,6 +186,11 @@ class EngineClient:
             msg = self._decode(await pull.recv())
             if isinstance(msg, UpdateMsg):
                 for out in msg.outputs:
+                    w = self._waiters.pop(out.request_id, None) if out.finished else None
+                    if w is not None:
+                        if not w.done():
+                            w.set_result(out)
+                        continue
                     q = self._queues.get(out.request_id)
                     if q is not None:
                         q.put_nowait(out)
@@ -229,6 +235,10 @@ class EngineClient:
     def _fail_all(self, why: str) -> None:
         for q in self._queues.values():
             q.put_nowait(EngineUnavailableError(why))
+        waiters, self._waiters = self._waiters, {}
+        for w in waiters.values():
+            if not w.done():
+                w.set_exception(EngineUnavailableError(why))
 
     # ---- requests -------------------------------------------------------------------------
     async def submit(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
@@ -257,6 +267,24 @@ class EngineClient:
             self._queues.pop(rid, None)
             if not finished:
                 self._send_abort(rid)
+
+    async def run(self, request: EngineRequest) -> EngineOutput:
+        if not self._ready or self._push is None:
+            raise EngineUnavailableError(
+                self.last_error or "engine is not ready yet; retry shortly"
+            )
+        rid = request.request_id
+        if rid in self._waiters or rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        fut: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
+        self._waiters[rid] = fut
+        self._push.send(self._encode(AddMsg(request=request)))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if self._waiters.pop(rid, None) is not None:
+                self._send_abort(rid)
+            raise
 
     async def abort(self, request_id: str) -> None:
         self._send_abort(request_id)

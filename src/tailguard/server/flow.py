@@ -249,20 +249,15 @@ async def outputs(app: App, call: Call, adm: Admitted) -> AsyncGenerator[EngineO
 
 
 async def single(app: App, call: Call, adm: Admitted) -> EngineOutput:
-    """The one output of a single-pass request (the hot path of /v1/infer: no extra generator)."""
-    agen = app.engine.submit(adm.request)
+    """The one output of a single-pass request (score, embed); cancelling aborts it."""
     try:
-        async for out in agen:
-            if out.finished:
-                adm.release()
-                if out.finish_reason != FinishReason.DONE:
-                    raise_for(out)
-                app.metrics.queue_for(adm.request.priority).observe(out.queue_s)
-                return out
+        out = await app.engine.run(adm.request)
     finally:
         adm.release()
-        await agen.aclose()  # type: ignore[attr-defined]
-    raise EngineUnavailableError("the engine closed the request without an answer; retry")
+    if out.finish_reason != FinishReason.DONE:
+        raise_for(out)
+    app.metrics.queue_for(adm.request.priority).observe(out.queue_s)
+    return out
 
 
 async def answer(

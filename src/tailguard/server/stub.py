@@ -112,6 +112,11 @@ class StubEngineClient:
             first_token_s=time.monotonic(),
         )
 
+    async def run(self, request: EngineRequest) -> EngineOutput:
+        if not self._ready:
+            raise EngineUnavailableError("stub engine is not started")
+        return _single_pass_output(request, 0.0, 0.0)
+
     async def abort(self, request_id: str) -> None:
         return None
 
@@ -248,6 +253,12 @@ class SimulatedEngineClient:
             if request.request_id in self._by_id:  # closed early: abort, like the real client
                 self._remove(request.request_id)
                 self._counters.aborted_total += 1
+
+    async def run(self, request: EngineRequest) -> EngineOutput:
+        async for out in self.submit(request):
+            if out.finished:
+                return out
+        raise EngineUnavailableError("the simulated engine ended a request without an answer")
 
     async def abort(self, request_id: str) -> None:
         seq = self._by_id.get(request_id)
