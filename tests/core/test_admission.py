@@ -170,3 +170,42 @@ def test_generation_is_judged_at_its_first_token_not_at_the_end() -> None:
     assert grown > 2 * 1024
     c.release("g", now_s=30.0)  # the whole generation took long: not a deadline miss
     assert c.cap_tokens == grown
+
+
+def test_saturated_answers_before_tokenizing_and_agrees_with_decide() -> None:
+    c = make()
+    kw = {"now_s": 0.0, "deadline_s": 0.15, "priority": INT, "single_pass": True}
+    assert c.saturated(**kw) is None  # type: ignore[arg-type]
+    assert c.queued_requests == 0  # asking commits nothing
+    i = 0
+    while decide(c, f"r{i}", tokens=200).admitted:
+        i += 1
+    # a 200-token request no longer fits, but a one-token one still might
+    d1 = c.saturated(**kw)  # type: ignore[arg-type]
+    if d1 is None:
+        assert decide(c, "one", tokens=1).admitted
+        c.release("one")
+    while c.saturated(**kw) is None:  # type: ignore[arg-type]
+        assert decide(c, f"s{i}", tokens=1).admitted
+        i += 1
+    d = c.saturated(**kw)  # type: ignore[arg-type]
+    assert d is not None and not d.admitted and d.retry_after_s >= 1.0 and d.reason
+    before = c.queued_requests
+    for tokens in (1, 10, 1000):  # whatever the real size: decide says no too
+        assert not decide(c, f"x{tokens}", tokens=tokens).admitted
+    assert c.queued_requests == before
+
+
+def test_recent_max_keeps_the_worst_sample_for_one_to_two_windows() -> None:
+    from tailguard.core.admission import RecentMax
+
+    m = RecentMax(window_s=1.0)
+    assert m.value(0.0) == 0.0
+    m.observe(0.05, 0.1)
+    m.observe(0.02, 0.5)
+    assert m.value(0.9) == 0.05
+    assert m.value(1.5) == 0.05  # the previous window still counts
+    m.observe(0.01, 1.6)
+    assert m.value(2.4) == 0.05
+    assert m.value(3.2) == 0.01  # 0.05's window is two windows old: forgotten
+    assert m.value(10.0) == 0.0  # nothing for two windows

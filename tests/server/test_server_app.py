@@ -298,23 +298,6 @@ async def test_metrics_carry_the_contract_names() -> None:
         assert f'mistral_inference_latency_seconds_bucket{{endpoint="infer",le="{le}"' in text
 
 
-async def test_gate_starts_a_bounded_slice_of_handlers_per_iteration_in_order() -> None:
-    from tailguard.server.app import IterationGate
-
-    gate = IterationGate(2)
-    passed: list[int] = []
-
-    async def one(i: int) -> None:
-        await gate.enter()
-        passed.append(i)
-
-    tasks = [asyncio.ensure_future(one(i)) for i in range(7)]
-    await asyncio.sleep(0)  # every task ran its first step: only a slice of 2 got through
-    assert passed == [0, 1]
-    await asyncio.gather(*tasks)
-    assert passed == list(range(7))  # the rest followed, oldest first
-
-
 async def test_request_path_metrics_are_exact_at_every_scrape() -> None:
     from prometheus_client import generate_latest
 
@@ -349,3 +332,23 @@ def test_hot_histogram_counts_buckets_as_prometheus_client_does() -> None:
     assert [(s.labels, s.value) for s in ref.collect()[0].samples if "created" not in s.name] == [
         (s.labels, s.value) for s in hot_child.collect()[0].samples if "created" not in s.name
     ]
+
+
+async def test_a_saturated_server_turns_infer_away_before_tokenizing() -> None:
+    async with running_app() as app:
+        seen: list[str] = []
+        tok = app.model.tokenizer
+        encode = tok.encode
+
+        def spy(text: str, add_bos: bool = True) -> list[int]:
+            seen.append(text)
+            return encode(text, add_bos)
+
+        tok.encode = spy  # type: ignore[method-assign]
+        r = await request(app, "POST", "/v1/infer", {"prompt": "hello", "top_k": 1})
+        assert r.status == 200 and seen == ["hello"]
+        app.admission.cap_tokens = 0.0  # not even a one-token request fits now
+        r = await request(app, "POST", "/v1/infer", {"prompt": "world", "top_k": 1})
+        assert r.status == 503 and "retry-after" in r.headers
+        assert r.json()["error"]["type"] == "overloaded"
+        assert seen == ["hello"]  # turned away without tokenizing "world"

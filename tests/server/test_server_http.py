@@ -242,3 +242,43 @@ async def test_drain_finishes_in_flight_answers_and_closes_idle_connections() ->
         w2.close()
         with pytest.raises(OSError):
             await asyncio.open_connection("127.0.0.1", port)  # no longer accepting
+
+
+async def test_intake_parses_a_bounded_slice_per_iteration_in_arrival_order() -> None:
+    from tailguard.server.http import HttpServer
+
+    fed: list[tuple[str, bytes]] = []
+
+    class Conn:
+        def __init__(self, name: str) -> None:
+            self.name, self.deferred, self.closed = name, 0, False
+
+        def feed(self, data: bytes) -> None:
+            fed.append((self.name, data))
+
+    async with running_app(handlers_per_iteration=2) as app:
+        srv = HttpServer(app)
+        a, b, c, gone = Conn("a"), Conn("b"), Conn("c"), Conn("gone")
+        for conn, data in ((a, b"1"), (b, b"1"), (c, b"1"), (a, b"2"), (gone, b"1"), (b, b"2")):
+            srv.take(conn, data)  # type: ignore[arg-type]
+        assert fed == [("a", b"1"), ("b", b"1")]  # this iteration's slice
+        gone.closed = True  # its client left while it waited: skipped, takes no slot
+        await asyncio.sleep(0)
+        assert fed[2:] == [("c", b"1"), ("a", b"2")]
+        await asyncio.sleep(0)
+        assert fed[4:] == [("b", b"2")]
+        await asyncio.sleep(0)
+        assert a.deferred == b.deferred == c.deferred == gone.deferred == 0
+        srv.take(c, b"2")  # a new iteration, nothing waiting: straight through
+        assert fed[-1] == ("c", b"2")
+
+
+async def test_a_burst_of_connections_is_accepted_in_slices_and_all_answered() -> None:
+    async with http_app(accepts_per_iteration=4, handlers_per_iteration=4) as (_app, port):
+        conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(40)]
+        for _r, w in conns:
+            w.write(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        for r, w in conns:
+            (a,), _ = await read_answers(r, 1)
+            assert a.status == 200
+            w.close()

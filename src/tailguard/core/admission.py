@@ -47,6 +47,7 @@ __all__ = [
     "AdmissionConfig",
     "AdmissionController",
     "Decision",
+    "RecentMax",
     "StepCostModel",
     "WorkItem",
     "retry_after_header",
@@ -194,8 +195,9 @@ class AdmissionController:
     _all: _Totals = field(default_factory=_Totals, init=False)
     _interactive: _Totals = field(default_factory=_Totals, init=False)
     frontend_delay_s: float = field(default=0.0, init=False)
-    """Recent delay the HTTP process itself adds (event-loop lag), set by the server: under a
-    burst the loop is busy parsing and rejecting, and an admitted answer waits for it too."""
+    """Recent delay the HTTP process itself adds to an answer (event-loop lag, and the time
+    answers took from the engine to their handler), set by the server: under a burst the loop
+    is busy parsing and rejecting, and an admitted answer waits for it too."""
 
     cap_tokens: float = field(default=0.0, init=False)
     """Adaptive cap on admitted tokens (AIMD on on-time answers); inf when disabled."""
@@ -268,6 +270,28 @@ class AdmissionController:
             self._add(item, -1)
 
     # ---- decision -----------------------------------------------------------------------------
+    def saturated(
+        self, *, now_s: float, deadline_s: float, priority: Priority, single_pass: bool
+    ) -> Decision | None:
+        """The rejection a one-token request would get now, or None if one could still fit.
+
+        Every request has at least one token and `decide` is monotonic in the request's size,
+        so when this says no, `decide` would too: the server asks it before tokenizing, so that
+        the thousands of requests a burst brings beyond capacity are turned away without paying
+        for their tokenization. Commits nothing.
+        """
+        d = self.decide(
+            "",
+            now_s=now_s,
+            deadline_s=deadline_s,
+            prompt_tokens=1,
+            output_tokens=0,
+            priority=priority,
+            single_pass=single_pass,
+            commit=False,
+        )
+        return None if d.admitted else d
+
     def decide(
         self,
         request_id: str,
@@ -278,8 +302,9 @@ class AdmissionController:
         output_tokens: int,
         priority: Priority,
         single_pass: bool,
+        commit: bool = True,
     ) -> Decision:
-        """Admit (and enter into the ledger) or reject one request.
+        """Admit (and enter into the ledger, unless `commit` is False) or reject one request.
 
         For a single-pass request (score, embed) the deadline bounds completion; for a generation
         it bounds the first token (queue + prefill), and later tokens are paced by decode steps.
@@ -321,9 +346,10 @@ class AdmissionController:
         if reason:
             return Decision(False, predicted, 0.0, self._retry_after(ahead, own, budget_s), reason)
 
-        item = WorkItem(priority, prompt_tokens, output_tokens, deadline_s, single_pass)
-        self._items[request_id] = item
-        self._add(item, +1)
+        if commit:
+            item = WorkItem(priority, prompt_tokens, output_tokens, deadline_s, single_pass)
+            self._items[request_id] = item
+            self._add(item, +1)
         # The engine drops it unstarted past this instant; a single-pass request that starts
         # later than deadline - own compute could not finish in time anyway.
         own_s = self.cost.drain_s(own, cfg.max_num_batched_tokens) if single_pass else 0.0
@@ -339,6 +365,36 @@ class AdmissionController:
         excess = max(ahead + own - fits_tokens, 0)
         wait = self.cost.drain_s(excess, cfg.max_num_batched_tokens)
         return min(max(wait, cfg.min_retry_after_s), cfg.max_retry_after_s)
+
+
+class RecentMax:
+    """The largest sample of the last one to two windows (a max that forgets in 2 windows).
+
+    For delays that admission must plan for: a p50 or an average would admit requests that
+    then wait through the slow moments the average hides.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._cur = 0.0
+        self._prev = 0.0
+        self._start = -math.inf
+
+    def _roll(self, now_s: float) -> None:
+        age = now_s - self._start
+        if age >= self.window_s:
+            self._prev = self._cur if age < 2 * self.window_s else 0.0
+            self._cur = 0.0
+            self._start = now_s
+
+    def observe(self, value: float, now_s: float) -> None:
+        self._roll(now_s)
+        if value > self._cur:
+            self._cur = value
+
+    def value(self, now_s: float) -> float:
+        self._roll(now_s)
+        return max(self._cur, self._prev)
 
 
 def retry_after_header(retry_after_s: float) -> str:

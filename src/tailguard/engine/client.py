@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from tailguard.core.request import EngineOutput, EngineRequest
 from tailguard.core.stats import EngineStats
@@ -44,6 +43,12 @@ WATCH_INTERVAL_S = 0.1
 KEEP_STEPS = 1024  # step records kept for readers of `stats` (de-duplicated by time)
 
 
+def _fd(sock: zmq.Socket[bytes]) -> int:
+    fd = sock.getsockopt(zmq.FD)
+    assert isinstance(fd, int)
+    return fd
+
+
 class EngineClient:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -56,10 +61,11 @@ class EngineClient:
         self._proc: subprocess.Popen[bytes] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._ipc_dir = tempfile.mkdtemp(prefix="tailguard-ipc-")
-        self._actx = zmq.asyncio.Context()
         self._ctx = zmq.Context()
         self._push: zmq.Socket[bytes] | None = None
-        self._pull: zmq.asyncio.Socket | None = None
+        self._pull: zmq.Socket[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started: asyncio.Future[ReadyMsg] | None = None  # resolved by the reader
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(FromEngine).decode
         self.max_model_len = 0
@@ -108,7 +114,6 @@ class EngineClient:
         self._fail_all("engine is shutting down")
         self._close_sockets()
         # destroy, not term: term blocks forever if any socket is still open somewhere
-        self._actx.destroy(linger=0)
         self._ctx.destroy(linger=0)
 
     async def _launch(self) -> None:
@@ -120,9 +125,16 @@ class EngineClient:
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.bind(to_engine)
-        self._pull = self._actx.socket(zmq.PULL)
+        self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.bind(from_engine)
+        self._loop = loop = asyncio.get_running_loop()
+        self._started = loop.create_future()
+        # Engine messages are read in a reader callback, in the event loop's I/O phase, not by
+        # a task: a task would wake one loop iteration later, and under a burst an iteration is
+        # tens of ms of accepting and parsing. Outputs reach their handlers one hop sooner.
+        loop.add_reader(_fd(self._pull), self._on_readable)
+        loop.call_soon(self._on_readable)  # the FD is edge-triggered: drain what came before
         env = dict(os.environ)
         # intra-op threads are set deliberately: the engine's count there, 1 everywhere else
         env["OMP_NUM_THREADS"] = str(self.config.threads)
@@ -150,20 +162,15 @@ class EngineClient:
         self.num_kv_blocks = msg.num_kv_blocks
         self._stats = msg.stats
         self._ready = True
-        self._tasks.append(asyncio.create_task(self._read(), name="engine-read"))
 
     async def _await_ready(self) -> ReadyMsg:
-        assert self._pull is not None and self._proc is not None
+        assert self._started is not None and self._proc is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + STARTUP_TIMEOUT_S
         while loop.time() < deadline:
-            if await self._pull.poll(200):
-                msg = self._decode(await self._pull.recv())
-                if isinstance(msg, ReadyMsg):
-                    return msg
-                if isinstance(msg, FatalMsg):
-                    self.last_error = msg.error
-                    raise EngineUnavailableError(f"engine failed to start: {msg.error}")
+            done, _ = await asyncio.wait([self._started], timeout=0.2)
+            if done:
+                return self._started.result()  # raises if the engine reported a fatal error
             if self._proc.poll() is not None:
                 raise EngineUnavailableError(
                     f"engine process exited with code {self._proc.returncode} during start-up; "
@@ -173,31 +180,44 @@ class EngineClient:
         raise EngineUnavailableError(f"engine not ready after {STARTUP_TIMEOUT_S:.0f} s")
 
     def _close_sockets(self) -> None:
+        self._stop_reader()
         for sock in (self._push, self._pull):
             if sock is not None:
                 sock.close(linger=0)
         self._push = self._pull = None
 
     # ---- background tasks ------------------------------------------------------------------
-    async def _read(self) -> None:
-        pull = self._pull
-        assert pull is not None
-        while True:
-            msg = self._decode(await pull.recv())
-            if isinstance(msg, UpdateMsg):
-                for out in msg.outputs:
-                    w = self._waiters.pop(out.request_id, None) if out.finished else None
-                    if w is not None:
-                        if not w.done():
-                            w.set_result(out)
-                        continue
-                    q = self._queues.get(out.request_id)
-                    if q is not None:
-                        q.put_nowait(out)
-                if msg.stats is not None:
-                    self._take_stats(msg.stats)
-            elif isinstance(msg, FatalMsg):
-                self.last_error = msg.error
+    def _on_readable(self) -> None:
+        """Drain every message the engine sent (the ZeroMQ FD only signals edges)."""
+        while self._pull is not None:
+            try:
+                raw = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._dispatch(self._decode(raw))
+
+    def _dispatch(self, msg: FromEngine) -> None:
+        if isinstance(msg, UpdateMsg):
+            for out in msg.outputs:
+                w = self._waiters.pop(out.request_id, None) if out.finished else None
+                if w is not None:
+                    if not w.done():
+                        w.set_result(out)
+                    continue
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+            if msg.stats is not None:
+                self._take_stats(msg.stats)
+        elif isinstance(msg, ReadyMsg):
+            if self._started is not None and not self._started.done():
+                self._started.set_result(msg)
+        elif isinstance(msg, FatalMsg):
+            self.last_error = msg.error
+            if self._started is not None and not self._started.done():
+                self._started.set_exception(
+                    EngineUnavailableError(f"engine failed to start: {msg.error}")
+                )
 
     async def _watch(self) -> None:
         while not self._closing:
@@ -228,9 +248,8 @@ class EngineClient:
         self._stats = stats
 
     def _stop_reader(self) -> None:
-        for t in [t for t in self._tasks if t.get_name() == "engine-read"]:
-            t.cancel()
-            self._tasks.remove(t)
+        if self._pull is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(_fd(self._pull))
 
     def _fail_all(self, why: str) -> None:
         for q in self._queues.values():

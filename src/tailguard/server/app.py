@@ -3,7 +3,7 @@
 No framework and no ASGI: on this machine FastAPI served about a third of the requests per
 second of a raw ASGI app, and a minimal httptools protocol about four times a raw ASGI app on
 uvicorn (tailguard.server.http). The connection reads a whole request (body bounded), builds a
-`Call` and awaits `App.handle(call)`: route -> handler gate -> auth/quota -> handler
+`Call` and awaits `App.handle(call)`: route -> auth/quota -> handler
 (handlers.py) -> one answer, timed from "request read" to "response written" for
 `mistral_inference_latency_seconds`. The engine runs in another process; nothing here imports
 torch.
@@ -17,7 +17,6 @@ import gc
 import hmac
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -25,7 +24,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from tailguard.core.admission import AdmissionController
+from tailguard.core.admission import AdmissionController, RecentMax
 from tailguard.core.engine_api import EngineClientProtocol
 from tailguard.errors import (
     EngineUnavailableError,
@@ -152,57 +151,6 @@ class _Quota:
         return (1.0 - tokens) / self.rps
 
 
-class IterationGate:
-    """Lets at most `per_iteration` request handlers start per event-loop iteration.
-
-    Why: under a burst the loop reads thousands of requests at once, and their handlers would all
-    run back to back in one iteration (seconds, measured: one 2.5 s+ stall in a 10,000-connection
-    burst), while the engine's answers for requests already admitted wait behind them. With the
-    gate each iteration runs a bounded slice of new handlers, so woken, admitted requests are
-    answered within a slice or two. Waiting handlers keep their FIFO order.
-    """
-
-    def __init__(self, per_iteration: int) -> None:
-        self.per_iteration = per_iteration
-        self._used = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
-        self._reset_pending = False
-
-    def try_enter(self) -> bool:
-        """Take a slot in this iteration if one is free, without waiting (the common case)."""
-        if self._used < self.per_iteration and not self._waiters:
-            self._used += 1
-            if not self._reset_pending:
-                self._schedule_reset()
-            return True
-        return False
-
-    async def enter(self) -> None:
-        if self.try_enter():
-            return
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        self._schedule_reset()
-        await fut
-
-    def _schedule_reset(self) -> None:
-        if not self._reset_pending:
-            self._reset_pending = True
-            asyncio.get_running_loop().call_soon(self._reset)
-
-    def _reset(self) -> None:
-        """Runs once per iteration: a new budget, handed to the oldest waiters first."""
-        self._reset_pending = False
-        self._used = 0
-        while self._waiters and self._used < self.per_iteration:
-            fut = self._waiters.popleft()
-            if not fut.done():  # a cancelled waiter (client gone) takes no budget
-                fut.set_result(None)
-                self._used += 1
-        if self._waiters or self._used:
-            self._schedule_reset()
-
-
 class App:
     def __init__(
         self,
@@ -221,6 +169,7 @@ class App:
             config.sla_ms / 1e3, config.engine_config.max_num_seqs
         )
         self.admission = AdmissionController(config.admission())
+        self.delivery = RecentMax(window_s=0.25)  # engine finished -> handler resumed (s)
         self.cache = ResponseCache(config.cache_max_entries, config.cache_max_bytes)
         self.quota = _Quota(config.client_quota_rps, config.client_quota_burst)
         self._api_key = config.api_key.encode() if config.api_key else None
@@ -229,7 +178,6 @@ class App:
         self._engine_started = False
         self._openapi: bytes | None = None
         self._token_text: dict[int, str] = {}
-        self.gate = IterationGate(config.handlers_per_iteration)
         self.routes: dict[str, Route] = {
             "/v1/completions": Route(
                 ("POST",), partial(handlers.completions, self), "completions", True
@@ -283,10 +231,12 @@ class App:
     async def _pump_stats(self) -> None:
         """Feed engine step timings to admission and the metrics (every 5 ms).
 
-        The pump's own lateness is the event-loop lag right now; its moving average goes to
-        admission as the front-end's share of every answer's latency (an average, not a max:
-        one GC pause or slow import must not turn every request away for the next 100 ms,
-        while a burst that keeps the loop busy keeps the average up).
+        Admission's figure for the front end's share of an answer's latency is the larger of
+        (1) the moving average of the pump's own lateness (the event-loop lag right now; an
+        average, so one GC pause does not turn every request away) and (2) the largest time a
+        recent answer took from the engine to its handler (`delivery`, measured on the answers
+        themselves, forgotten within 0.5 s): under a burst the loop is busy with the flood, and
+        that is the delay an admitted answer actually waits.
         """
         period = 0.005
         lag_avg = 0.0
@@ -297,7 +247,7 @@ class App:
             await asyncio.sleep(period)
             lag = max(time.perf_counter() - t - period, 0.0)
             lag_avg = 0.7 * lag_avg + 0.3 * lag
-            self.admission.frontend_delay_s = lag_avg
+            self.admission.frontend_delay_s = max(lag_avg, self.delivery.value(time.monotonic()))
             try:
                 s = self.engine.stats
                 new = self.metrics.observe_engine(
@@ -328,7 +278,7 @@ class App:
 
     # ---- request path -----------------------------------------------------------------------
     async def handle(self, call: Call) -> None:
-        """Answer one request: route -> gate -> auth/quota -> handler; every error answered
+        """Answer one request: route -> auth/quota -> handler; every error answered
         here in OpenAI shape, timed from "request read" to "response written"."""
         route = self.routes.get(call.path)
         if route is not None:
@@ -345,10 +295,6 @@ class App:
                 raise MethodNotAllowedError(
                     f"{call.method} is not allowed on {call.path}; use {' or '.join(route.methods)}"
                 )
-            if route.api and not self.gate.try_enter():
-                # Server time (read -> written) starts when a handler slot is free; the wait
-                # for a slot is not in it (it is in the client's).
-                await self.gate.enter()
             call.t_read = time.monotonic()
             if route.api and self._client_checks:
                 self._check_client(call)

@@ -93,8 +93,13 @@ class ServerConfig:
     simulated_step_overhead_ms: float = 2.0
     """--engine simulated: fixed cost of every step (ms)."""
     handlers_per_iteration: int = 64
-    """Most /v1 request handlers started per event-loop iteration (bounds how long answers for
-    admitted requests wait behind a burst of new arrivals)."""
+    """Most chunks of newly read request data parsed (and their handlers started) per event-loop
+    iteration; the rest wait their turn in arrival order (bounds how long answers for admitted
+    requests wait behind a burst of new arrivals)."""
+    accepts_per_iteration: int = 64
+    """Most connections accepted per event-loop iteration. The rest wait in the kernel's accept
+    queue (the `backlog`) for the next iteration, instead of one iteration accepting thousands
+    of connections while admitted requests' answers wait behind it."""
     loop_lag_interval_ms: float = 50.0
     """Event-loop lag probe period (ms)."""
     access_log: bool = False
@@ -150,6 +155,10 @@ class ServerConfig:
         need(
             self.handlers_per_iteration >= 1,
             f"handlers_per_iteration={self.handlers_per_iteration}: must be >= 1",
+        )
+        need(
+            self.accepts_per_iteration >= 1,
+            f"accepts_per_iteration={self.accepts_per_iteration}: must be >= 1",
         )
         need(
             self.log_level in ("debug", "info", "warning", "error"),

@@ -160,6 +160,26 @@ class Admitted:
             self._admission.release(self.request.request_id, time.monotonic())
 
 
+def shed(app: App, deadline_s: float, priority: Priority, *, single_pass: bool) -> None:
+    """Turn a request away before tokenizing it when not even a one-token request would be
+    admitted now (OverloadedError, 503 + Retry-After): under a burst far beyond capacity most
+    requests end here, and tokenizing them first would only slow the answers down."""
+    d = app.admission.saturated(
+        now_s=time.monotonic(), deadline_s=deadline_s, priority=priority, single_pass=single_pass
+    )
+    if d is not None:
+        raise OverloadedError(
+            f"server overloaded: {d.reason}; retry after {d.retry_after_s:.1f} s",
+            retry_after_s=d.retry_after_s,
+        )
+
+
+def could_exceed_context(app: App, text: str) -> bool:
+    """True if `text` might tokenize past the model's context: no tokenizer makes more tokens
+    than UTF-8 bytes, plus a few special ones."""
+    return len(text.encode()) + 8 > app.model.max_model_len
+
+
 def admit(
     app: App,
     call: Call,
@@ -257,6 +277,10 @@ async def single(app: App, call: Call, adm: Admitted) -> EngineOutput:
     if out.finish_reason != FinishReason.DONE:
         raise_for(out)
     app.metrics.queue_for(adm.request.priority).observe(out.queue_s)
+    # How long the answer took to get from the engine to this handler: under a burst the
+    # event loop is busy with the flood, and admission must count this delay too.
+    now = time.monotonic()
+    app.delivery.observe(now - (adm.request.arrival_s + out.queue_s + out.compute_s), now)
     return out
 
 

@@ -55,16 +55,21 @@ async def infer(app: App, call: Call) -> None:
         raise InvalidRequestError(
             "nothing to return: set top_k >= 1 and/or embedding: true", param="top_k"
         )
-    tok = app.model.tokenizer
-    if req.prompt is not None:
-        ids = tuple(tok.encode(req.prompt, add_bos=True))
-    else:
-        ids = flow.check_ids(app, req.input_ids or [], "input_ids")
-    flow.check_context(app, len(ids), 0, "prompt" if req.prompt is not None else "input_ids")
+    ids: tuple[int, ...] | None = None
+    if req.input_ids is not None:
+        ids = flow.check_ids(app, req.input_ids, "input_ids")
+        flow.check_context(app, len(ids), 0, "input_ids")
+    elif req.prompt is not None and flow.could_exceed_context(app, req.prompt):
+        ids = tuple(app.model.tokenizer.encode(req.prompt, add_bos=True))
+        flow.check_context(app, len(ids), 0, "prompt")
     deadline = flow.deadline(app, call, req.timeout)
     priority = flow.priority(app, call, req.priority)
 
     async def compute() -> bytes:
+        nonlocal ids
+        if ids is None:  # a prompt that fits the context whatever its tokens: shed first
+            flow.shed(app, deadline, priority, single_pass=True)
+            ids = tuple(app.model.tokenizer.encode(req.prompt or "", add_bos=True))
         adm = flow.admit(
             app,
             call,
