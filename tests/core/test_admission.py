@@ -137,29 +137,32 @@ def test_config_refuses_bad_values() -> None:
         AdmissionConfig(max_queued_requests=0)
 
 
-def test_adaptive_cap_starts_at_two_steps_grows_on_time_and_halves_when_late() -> None:
+def test_adaptive_cap_starts_at_half_a_step_grows_on_time_and_halves_when_late() -> None:
     c = make(adaptive_cap=True, safety_margin=1.0)
-    assert c.cap_tokens == 2 * 1024
-    # a burst against an idle-looking engine: only two steps' worth is let in at first
+    assert c.cap_tokens == 512
+    # a burst against an idle-looking engine: only half a step's worth is let in at first
     admitted = [decide(c, f"a{i}", tokens=100, deadline=10.0).admitted for i in range(40)]
-    assert sum(admitted) == 20
+    assert sum(admitted) == 5
     refused = decide(c, "over", tokens=100, deadline=10.0)
     assert not refused.admitted and "adaptive limit" in refused.reason
-    for i in range(20):  # all answered on time: the cap grows by their tokens
+    for i in range(5):  # all answered on time: the cap grows by their tokens
         c.release(f"a{i}", now_s=1.0)
-    assert c.cap_tokens == 2 * 1024 + 20 * 101
-    for i in range(20):  # and again: it doubles per round trip while answers are on time
+    assert c.cap_tokens == 512 + 5 * 101
+    for i in range(10):  # and again: it doubles per round trip while answers are on time
         assert decide(c, f"c{i}", tokens=100, deadline=10.0).admitted
         c.release(f"c{i}", now_s=1.0)
-    grown = 2 * 1024 + 40 * 101
+    grown = 512 + 15 * 101
     assert c.cap_tokens == grown
     assert decide(c, "b0", tokens=100, deadline=10.0).admitted
     c.release("b0", now_s=11.0)  # late: halve
     assert c.cap_tokens == grown / 2
-    for _ in range(10):  # never below two steps' worth
+    for _ in range(10):  # never below half a step's worth
         decide(c, "late", tokens=10, deadline=0.5)
         c.release("late", now_s=5.0)
-    assert c.cap_tokens == 2 * 1024
+    assert c.cap_tokens == 512
+    # a request bigger than the cap is still admitted when nothing is queued ahead of it
+    assert decide(c, "big", tokens=3000, deadline=10.0).admitted
+    assert not decide(c, "next", tokens=10, deadline=10.0).admitted
 
 
 def test_generation_is_judged_at_its_first_token_not_at_the_end() -> None:
@@ -167,7 +170,7 @@ def test_generation_is_judged_at_its_first_token_not_at_the_end() -> None:
     assert decide(c, "g", tokens=50, out=200, single=False, deadline=0.5).admitted
     c.progress("g", prefill_done=True, output_tokens_done=1, now_s=0.2)  # first token on time
     grown = c.cap_tokens
-    assert grown > 2 * 1024
+    assert grown > 512
     c.release("g", now_s=30.0)  # the whole generation took long: not a deadline miss
     assert c.cap_tokens == grown
 
@@ -209,3 +212,21 @@ def test_recent_max_keeps_the_worst_sample_for_one_to_two_windows() -> None:
     assert m.value(2.4) == 0.05
     assert m.value(3.2) == 0.01  # 0.05's window is two windows old: forgotten
     assert m.value(10.0) == 0.0  # nothing for two windows
+
+
+def test_cost_model_plans_for_the_slowest_recent_step() -> None:
+    m = StepCostModel(0.0, 1e-4)
+    for n in (100, 200, 400, 800) * 20:  # a steady engine: 2 ms + 0.1 ms per token
+        m.observe(n, 0.002 + n * 1e-4)
+    m.refit()
+    assert m.slowdown == pytest.approx(1.0)
+    assert m.drain_s(800, 1024) == pytest.approx(0.082)
+    for _ in range(4):  # the burst starts taking the engine's CPU: steps run 2x slower
+        m.observe(800, 2 * 0.082)
+    m.refit()
+    assert m.slowdown > 1.5  # planned for at once, long before the 256-step fit moves much
+    assert m.drain_s(800, 1024) > 1.5 * 0.082
+    for n in (100, 200, 400, 800) * 4:  # 16 normal steps later it is forgotten
+        m.observe(n, m.a + n * m.b)
+    m.refit()
+    assert m.slowdown < 1.2

@@ -335,7 +335,7 @@ def test_hot_histogram_counts_buckets_as_prometheus_client_does() -> None:
 
 
 async def test_a_saturated_server_turns_infer_away_before_tokenizing() -> None:
-    async with running_app() as app:
+    async with running_app(max_queued_requests=1, simulated_tokens_per_s=100.0) as app:
         seen: list[str] = []
         tok = app.model.tokenizer
         encode = tok.encode
@@ -345,10 +345,13 @@ async def test_a_saturated_server_turns_infer_away_before_tokenizing() -> None:
             return encode(text, add_bos)
 
         tok.encode = spy  # type: ignore[method-assign]
-        r = await request(app, "POST", "/v1/infer", {"prompt": "hello", "top_k": 1})
-        assert r.status == 200 and seen == ["hello"]
-        app.admission.cap_tokens = 0.0  # not even a one-token request fits now
+        slow = {"prompt": "hello", "top_k": 1, "timeout": 30}
+        first = asyncio.ensure_future(request(app, "POST", "/v1/infer", slow))
+        await asyncio.sleep(0.01)
+        assert seen == ["hello"] and app.admission.queued_requests == 1
+        # the one queue slot is taken: not even a one-token request fits now
         r = await request(app, "POST", "/v1/infer", {"prompt": "world", "top_k": 1})
         assert r.status == 503 and "retry-after" in r.headers
         assert r.json()["error"]["type"] == "overloaded"
         assert seen == ["hello"]  # turned away without tokenizing "world"
+        assert (await first).status == 200

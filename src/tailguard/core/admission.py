@@ -29,7 +29,8 @@ looks idle, and if the burst itself starves the engine of CPU (the load generato
 process share its cores) every step gets slower than predicted. So admitted work is also capped
 by what the engine has recently *proven* it finishes on time, TCP-style: each answer on time
 grows the cap by its own tokens (doubling per round trip), each late one halves it, never
-below two steps' worth. A wrong prediction then costs a few requests, not a burst's worth.
+below half a step's worth (and a request with nothing queued ahead is never refused by the
+cap). A wrong prediction then costs a few requests, not a burst's worth.
 
 Retry-After comes from the same model: the time for the work ahead to drain far enough that this
 request would fit, rounded up to whole seconds for the header (RFC 9110 delay-seconds).
@@ -99,6 +100,9 @@ class AdmissionConfig:
             )
 
 
+_SLOWDOWN_STEPS = 16  # recent steps that set StepCostModel.slowdown
+
+
 class StepCostModel:
     """step_s ~= a + b * num_tokens, fitted by least squares over the last `window` steps.
 
@@ -112,6 +116,7 @@ class StepCostModel:
         self.b = prior_b
         self._prior = (prior_a, prior_b)
         self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self.slowdown = 1.0  # the slowest recent step relative to the fit (>= 1)
         self._dirty = False
 
     def observe(self, num_tokens: int, step_s: float) -> None:
@@ -137,21 +142,30 @@ class StepCostModel:
             # Charge it all per token: that overestimates bigger batches (admits too few) rather
             # than underestimating them (admits requests that then miss the deadline).
             self.a, self.b = 0.0, sy / sx
+            self._update_slowdown()
             return
         b = (n * sxy - sx * sy) / den
         a = (sy - b * sx) / n
         if b <= 0:  # noise: fall back to a pure per-token cost through the mean
             b, a = sy / sx, 0.0
         self.a, self.b = max(a, 0.0), b
+        self._update_slowdown()
+
+    def _update_slowdown(self) -> None:
+        recent = list(self._steps)[-_SLOWDOWN_STEPS:]
+        self.slowdown = max(1.0, max(y / self.step_s(x) for x, y in recent))
 
     def step_s(self, num_tokens: int) -> float:
         return self.a + self.b * num_tokens
 
     def drain_s(self, tokens: int, budget: int) -> float:
-        """Time to process `tokens` in steps of at most `budget` tokens."""
+        """Time to process `tokens` in steps of at most `budget` tokens, planned for the
+        slowest of the recent steps relative to the fit (`slowdown`): the fit averages over
+        256 steps, and when other processes start taking the engine's CPU the steps get slower
+        at once, long before the average moves."""
         if tokens <= 0:
             return 0.0
-        return math.ceil(tokens / budget) * self.a + tokens * self.b
+        return (math.ceil(tokens / budget) * self.a + tokens * self.b) * self.slowdown
 
 
 @dataclass(slots=True)
@@ -208,7 +222,7 @@ class AdmissionController:
 
     @property
     def _min_cap(self) -> float:
-        return 2.0 * self.config.max_num_batched_tokens
+        return self.config.max_num_batched_tokens / 2
 
     def _judge(self, item: WorkItem, now_s: float | None) -> None:
         """Feed one on-time / late verdict to the adaptive cap."""
@@ -332,7 +346,7 @@ class AdmissionController:
                 f"{self._all.tokens} tokens already queued (cap "
                 f"{int(cfg.max_queued_tokens * share)} for this priority)"
             )
-        elif ahead + own > self.cap_tokens:
+        elif ahead and ahead + own > self.cap_tokens:  # alone, anything may try
             reason = (
                 f"{ahead} tokens queued ahead; the engine recently finished only "
                 f"{self.cap_tokens:.0f} tokens of admitted work on time (adaptive limit)"

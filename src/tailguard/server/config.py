@@ -78,7 +78,7 @@ class ServerConfig:
     """Admit only when the predicted time uses at most this share of the time to deadline."""
     admission_adaptive_cap: bool = True
     """Also cap admitted tokens by what recently finished on time (grows per on-time answer,
-    halves per late one, never below two engine steps' worth)."""
+    halves per late one, never below half an engine step's worth)."""
     cache_max_entries: int = 10_000
     """Degradation cache: most responses kept (0 disables the cache)."""
     cache_max_bytes: int = 64 * 1024 * 1024

@@ -210,16 +210,12 @@ class HttpProtocol(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.client = str(peer[0]) if peer else ""
         self.server.connections.add(self)
-        m = self.server.metrics
-        m.conn_opened.inc()
-        m.conn_active.inc()
+        self.server.metrics.connection_opened()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
-        m = self.server.metrics
-        m.conn_active.dec()
-        m.req_per_conn.observe(self.requests)
+        self.server.metrics.connection_closed(self.requests)
         self.pending.clear()
         if self.call is not None:
             self.call.disconnect()  # nobody to answer: cancel it (aborts the engine request)
@@ -445,13 +441,15 @@ class Listener:
         self.ssl = ssl_context
         self._pending: set[asyncio.Task[Any]] = set()  # connections being set up (TLS)
         self._closed = False
+        self._family, self._type = int(sock.family), int(sock.type)
         sock.setblocking(False)
         loop.add_reader(sock.fileno(), self._accept)
 
     def _accept(self) -> None:
         for _ in range(self.per_iteration):
             try:
-                conn, _addr = self.sock.accept()
+                # the raw accept: socket.accept() converts family and type to enums per call
+                fd, _addr = self.sock._accept()  # type: ignore[attr-defined]
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:  # EMFILE and the like: back off, the kernel keeps the queue
@@ -459,6 +457,7 @@ class Listener:
                 self.loop.remove_reader(self.sock.fileno())
                 self.loop.call_later(0.1, self._resume)
                 return
+            conn = socket.socket(self._family, self._type, 0, fd)
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = self.loop.create_task(

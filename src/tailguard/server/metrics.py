@@ -82,6 +82,8 @@ class ServerMetrics:
     def __init__(self, sla_s: float, max_num_seqs: int) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._hot: list[HotHistogram] = []
+        self._conn_opened = 0  # since the last flush
+        self._conn_active = 0
         r.register(_Flush(self))
         self.latency = Histogram(
             "mistral_inference_latency_seconds",
@@ -203,6 +205,9 @@ class ServerMetrics:
         self.max_num_seqs.set(max_num_seqs)
         self.threads.labels("server").set(1)
         self._answers: dict[tuple[str, str], HotHistogram] = {}
+        self._rejections: dict[str, HotHistogram] = {}
+        self._per_conn = HotHistogram(self.req_per_conn)
+        self._hot.append(self._per_conn)
         self._queue_children: dict[Any, HotHistogram] = {}
         self._last_step_t = 0.0
         self._engine_totals: dict[str, float] = {}
@@ -240,10 +245,31 @@ class ServerMetrics:
         """Move the request path's counts into prometheus_client (runs before every collection)."""
         for h in self._hot:
             h.flush()
+        if not hasattr(self, "conn_active"):  # the registry collects while being built
+            return
+        opened, self._conn_opened = self._conn_opened, 0
+        if opened:
+            self.conn_opened.inc(opened)
+        self.conn_active.set(self._conn_active)
 
     def rejected(self, reason: str, seconds: float) -> None:
-        self.rejections.labels(reason).inc()
-        self.rejection_s.labels(reason).observe(seconds)
+        """One refusal: its server time (`tailguard_rejection_seconds`) and its count
+        (`tailguard_rejections_total`), kept in plain Python until the next scrape."""
+        h = self._rejections.get(reason)
+        if h is None:
+            h = HotHistogram(self.rejection_s.labels(reason), self.rejections.labels(reason))
+            self._rejections[reason] = h
+            self._hot.append(h)
+        h.observe(seconds)
+
+    def connection_opened(self) -> None:
+        self._conn_opened += 1
+        self._conn_active += 1
+
+    def connection_closed(self, requests: int) -> None:
+        """A connection closed after `requests` requests (`tailguard_requests_per_connection`)."""
+        self._conn_active -= 1
+        self._per_conn.observe(requests)
 
     # ---- the GC callback: time every collection in this process -----------------------------
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
