@@ -337,6 +337,12 @@ def hist(text: str, name: str, labels: dict[str, str]) -> dict[str, float]:
     return out
 
 
+def _two_ratios(s: dict[str, Any], a: str, b: str) -> str:
+    if a not in s:
+        return "-"
+    return f"{s[a]:.3f} / {s[b]:.3f}"
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -405,6 +411,11 @@ def summarize(name: str, res: dict[str, Any], metrics: str, sla_s: float) -> dic
     if rej.get("+Inf"):
         s["server_rejections_within_10ms"] = rej["0.01"] / rej["+Inf"]
         s["server_rejections_within_25ms"] = rej["0.025"] / rej["+Inf"]
+    intake = hist(metrics, "tailguard_intake_wait_seconds", {})
+    if intake.get("+Inf"):  # read but left for a later loop iteration (not in server time)
+        s["intake_waits"] = intake["+Inf"]
+        s["intake_within_100ms"] = intake["0.1"] / intake["+Inf"]
+        s["intake_within_1s"] = intake["1.0"] / intake["+Inf"]
     return s
 
 
@@ -544,6 +555,11 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         (f"server 200 within {args.sla_ms:g} ms", lambda s: s.get("server_ok_within_sla", "-")),
         ("server 503 within 10 ms", lambda s: s.get("server_rejections_within_10ms", "-")),
         ("server 503 within 25 ms", lambda s: s.get("server_rejections_within_25ms", "-")),
+        ("requests parsed a loop iteration later", lambda s: s.get("intake_waits", 0)),
+        (
+            "  of which waited < 100 ms / < 1 s",
+            lambda s: _two_ratios(s, "intake_within_100ms", "intake_within_1s"),
+        ),
         ("504 expired (never executed)", lambda s: s["statuses"].get(504, 0)),
     ]
     print(

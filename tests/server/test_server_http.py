@@ -271,6 +271,9 @@ async def test_intake_parses_a_bounded_slice_per_iteration_in_arrival_order() ->
         assert a.deferred == b.deferred == c.deferred == gone.deferred == 0
         srv.take(c, b"2")  # a new iteration, nothing waiting: straight through
         assert fed[-1] == ("c", b"2")
+        # the three chunks that waited (not the skipped one) are in the intake-wait histogram
+        text = app.metrics.render().decode()
+        assert "tailguard_intake_wait_seconds_count 3.0" in text
 
 
 async def test_a_burst_of_connections_is_accepted_in_slices_and_all_answered() -> None:

@@ -90,7 +90,9 @@ class HttpServer:
         self.draining = False
         self.per_iteration = cfg.handlers_per_iteration
         self._taken = 0  # data chunks taken up in this loop iteration
-        self._inbox: deque[tuple[HttpProtocol, bytes]] = deque()  # chunks left for later ones
+        # chunks left for later iterations, with the time they were read
+        self._inbox: deque[tuple[HttpProtocol, bytes, float]] = deque()
+        self._intake_wait = app.metrics.intake
         self._reset_pending = False
 
     # ---- intake: a bounded slice of newly read data per loop iteration -------------------------
@@ -102,8 +104,9 @@ class HttpServer:
         parsing and handler starts), while answers for admitted requests waited behind it.
         Here each iteration parses at most `handlers_per_iteration` chunks; the rest wait in
         arrival order, a connection's later data behind its earlier data. Server time (request
-        read -> response written) starts when a request is parsed, like a request that waits in
-        the kernel's socket buffer.
+        read -> response written) starts when a request is parsed, as for a request that waits
+        in the kernel's socket buffer; the wait here is measured on its own
+        (`tailguard_intake_wait_seconds`).
         """
         if conn.deferred == 0 and self._taken < self.per_iteration and not self._inbox:
             self._taken += 1
@@ -113,7 +116,7 @@ class HttpServer:
             conn.feed(data)
             return
         conn.deferred += 1
-        self._inbox.append((conn, data))
+        self._inbox.append((conn, data, time.monotonic()))
         if not self._reset_pending:
             self._reset_pending = True
             self.loop.call_soon(self._next_iteration)
@@ -123,11 +126,13 @@ class HttpServer:
         self._reset_pending = False
         self._taken = 0
         inbox = self._inbox
+        now = time.monotonic()
         while inbox and self._taken < self.per_iteration:
-            conn, data = inbox.popleft()
+            conn, data, t_read = inbox.popleft()
             conn.deferred -= 1
             if not conn.closed:
                 self._taken += 1
+                self._intake_wait.observe(now - t_read)
                 conn.feed(data)
         if inbox or self._taken:
             self._reset_pending = True

@@ -168,6 +168,12 @@ class ServerMetrics:
             buckets=_LAG_BUCKETS,
             registry=r,
         )
+        self.intake_wait = Histogram(
+            "tailguard_intake_wait_seconds",
+            "Read from a socket -> parsed (request data waiting for a per-iteration slot)",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
         self.gc_pause = Counter("tailguard_gc_pause_seconds", "Time in GC", ["process"], registry=r)
         self.conn_opened = Counter(
             "tailguard_connections_opened", "TCP connections accepted", registry=r
@@ -208,6 +214,8 @@ class ServerMetrics:
         self._rejections: dict[str, HotHistogram] = {}
         self._per_conn = HotHistogram(self.req_per_conn)
         self._hot.append(self._per_conn)
+        self.intake = HotHistogram(self.intake_wait)
+        self._hot.append(self.intake)
         self._queue_children: dict[Any, HotHistogram] = {}
         self._last_step_t = 0.0
         self._engine_totals: dict[str, float] = {}
