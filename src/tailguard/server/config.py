@@ -54,8 +54,8 @@ class ServerConfig:
     api_key: str | None = None
     """If set, every /v1 request needs `Authorization: Bearer <key>` (else 401). Also read from
     the TAILGUARD_API_KEY environment variable."""
-    http_server: str = "uvicorn"
-    """HTTP server: uvicorn (uvloop + httptools, with connection metrics)."""
+    http_server: str = "httptools"
+    """HTTP server: tailguard's own HTTP/1.1 on uvloop + httptools (server/http.py)."""
     backlog: int = 16384
     """listen() backlog. The kernel caps it at net.core.somaxconn; raise that too for bursts."""
     keepalive_timeout_s: int = 75
@@ -128,7 +128,10 @@ class ServerConfig:
             self.engine in ("real", "stub", "simulated"),
             f"engine={self.engine!r}: use real, stub or simulated",
         )
-        need(self.http_server == "uvicorn", f"http_server={self.http_server!r}: use uvicorn")
+        need(
+            self.http_server == "httptools",
+            f"http_server={self.http_server!r}: use httptools (the only one)",
+        )
         need(self.backlog >= 1, f"backlog={self.backlog}: must be >= 1")
         need(
             self.keepalive_timeout_s >= 1,
