@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import ssl
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httptools
@@ -13,6 +16,7 @@ import orjson
 import pytest
 from tests.server.inproc import running_app
 
+from tailguard.deploy.tls import self_signed_cert
 from tailguard.server.app import App
 from tailguard.server.http import bind, start_server, stop_server
 
@@ -285,3 +289,20 @@ async def test_a_burst_of_connections_is_accepted_in_slices_and_all_answered() -
             (a,), _ = await read_answers(r, 1)
             assert a.status == 200
             w.close()
+
+
+async def test_tls_serves_https(tmp_path: Path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI missing")
+    cert, key = self_signed_cert(tmp_path)
+    async with http_app(ssl_certfile=str(cert), ssl_keyfile=str(key)) as (_app, port):
+        ctx = ssl.create_default_context(cafile=str(cert))
+        r, w = await asyncio.open_connection("127.0.0.1", port, ssl=ctx)
+        w.write(post("/v1/infer", INFER) + b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        answers, _ = await read_answers(r, 2)
+        assert [a.status for a in answers] == [200, 200]
+        w.close()
+        plain_r, plain_w = await asyncio.open_connection("127.0.0.1", port)
+        plain_w.write(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")  # not TLS: no answer
+        assert await asyncio.wait_for(plain_r.read(), 5) == b""
+        plain_w.close()
