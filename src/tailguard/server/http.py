@@ -457,6 +457,8 @@ class Listener:
                 fd, _addr = self.sock._accept()  # type: ignore[attr-defined]
             except (BlockingIOError, InterruptedError):
                 return
+            except ConnectionAbortedError:  # the client reset before we accepted: next one
+                continue
             except OSError as e:  # EMFILE and the like: back off, the kernel keeps the queue
                 log.warning("accept failed (%s); pausing accepts for 100 ms", e)
                 self.loop.remove_reader(self.sock.fileno())
