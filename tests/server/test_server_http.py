@@ -18,7 +18,7 @@ from tests.server.inproc import running_app
 
 from tailguard.deploy.tls import self_signed_cert
 from tailguard.server.app import App
-from tailguard.server.http import bind, start_server, stop_server
+from tailguard.server.serving import bind, start_server, stop_server
 
 
 @contextlib.asynccontextmanager

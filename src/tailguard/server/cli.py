@@ -110,6 +110,6 @@ def run(args: argparse.Namespace) -> int:
     except TailguardError as e:
         print(f"tailguard serve: {e.message}", file=sys.stderr)
         return 2
-    from tailguard.server.http import serve
+    from tailguard.server.serving import serve
 
     return serve(app)
