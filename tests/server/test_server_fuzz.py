@@ -8,6 +8,7 @@ OpenAI-shaped error, and the server must still answer a normal request afterward
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -136,3 +137,72 @@ async def _one(app: Any, endpoint: str, body: bytes, headers: dict[str, str]) ->
         err = orjson.loads(r.body)["error"]
         assert isinstance(err["message"], str) and err["message"]
         assert err["type"] != "internal_error", err
+
+
+raw_requests = st.one_of(
+    st.binary(max_size=200),  # garbage
+    st.builds(  # request-shaped, with mangled parts
+        lambda method, path, version, headers, body: (
+            f"{method} {path} {version}\r\n".encode()
+            + b"".join(k + b": " + v + b"\r\n" for k, v in headers)
+            + b"\r\n"
+            + body
+        ),
+        st.sampled_from(["GET", "POST", "PUT", "HEAD", "G\x00T", ""]),
+        st.sampled_from(["/v1/infer", "/health", "/x?y=%zz", "/%2e%2e/", "*", ""]),
+        st.sampled_from(["HTTP/1.1", "HTTP/1.0", "HTTP/2.0", "HTTP/9", ""]),
+        st.lists(
+            st.tuples(
+                st.sampled_from(
+                    [b"Content-Length", b"Transfer-Encoding", b"Expect", b"Connection", b"Upgrade"]
+                ),
+                st.sampled_from([b"5", b"-1", b"999999999999", b"chunked", b"100-continue", b"x"]),
+            ),
+            max_size=3,
+        ),
+        st.binary(max_size=40),
+    ),
+)
+
+
+def test_fuzzed_raw_http_never_wedges_the_server() -> None:
+    """Garbage and mangled HTTP over real sockets, split at random points: every connection ends
+    (answered or closed), and the server still answers a normal request afterwards."""
+    from tests.server.test_server_http import http_app, read_answers
+
+    loop = asyncio.new_event_loop()
+    ctx = http_app(keepalive_timeout_s=1, max_body_bytes=4096)
+    _app, port = loop.run_until_complete(ctx.__aenter__())
+
+    async def send(data: bytes, cut: int) -> None:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(data[:cut])
+        await asyncio.sleep(0)
+        w.write(data[cut:])
+        with contextlib.suppress(ConnectionError):
+            w.write_eof()
+            async with asyncio.timeout(5):  # answered and/or closed, never left hanging
+                while await r.read(65536):
+                    pass
+        w.close()
+
+    try:
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(data=raw_requests, cut=st.integers(0, 200))
+        def one(data: bytes, cut: int) -> None:
+            loop.run_until_complete(send(data, cut))
+
+        one()
+
+        async def healthy() -> int:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            (a,), _ = await read_answers(r, 1)
+            w.close()
+            return a.status
+
+        assert loop.run_until_complete(healthy()) == 200
+    finally:
+        loop.run_until_complete(ctx.__aexit__(None, None, None))
+        loop.close()
