@@ -171,7 +171,6 @@ class HttpProtocol(asyncio.Protocol):
         "client",
         "closed",
         "deferred",
-        "keep_alive",
         "pending",
         "requests",
         "server",
@@ -194,7 +193,6 @@ class HttpProtocol(asyncio.Protocol):
         self.client = ""
         self.closed = False
         self.deferred = 0  # data chunks waiting in the server's intake
-        self.keep_alive = True
         self.requests = 0
         self.since = time.monotonic()  # idle since / reading since (for the sweep)
         self.write_paused = False
