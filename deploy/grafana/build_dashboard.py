@@ -238,6 +238,23 @@ def panels() -> list[dict[str, Any]]:
             thresholds=[0.0375],
         ),
         timeseries(
+            "Intake wait (read, not yet parsed)",
+            "Request data the HTTP process has read but left for a later loop iteration (at most "
+            "handlers_per_iteration chunks are parsed per iteration). Not part of the server "
+            "time: a rising p99 means the front end is the bottleneck (a burst, or too little "
+            "CPU for the HTTP process).",
+            [
+                target(
+                    f"histogram_quantile(0.99, sum by (instance, le) (rate("
+                    f"tailguard_intake_wait_seconds_bucket{{{SEL}}}{rate})))",
+                    "p99 {{instance}}",
+                    "A",
+                ),
+            ],
+            "s",
+            thresholds=[0.1],
+        ),
+        timeseries(
             "Allocator: reserved, allocated, inactive split",
             "CUDA caching allocator figures (zero on CPU). A growing gap between reserved and "
             "allocated, or inactive split bytes, is fragmentation.",
