@@ -355,3 +355,25 @@ async def test_a_saturated_server_turns_infer_away_before_tokenizing() -> None:
         assert r.json()["error"]["type"] == "overloaded"
         assert seen == ["hello"]  # turned away without tokenizing "world"
         assert (await first).status == 200
+
+
+async def test_a_request_that_waited_out_its_deadline_before_parsing_is_turned_away() -> None:
+    import time
+
+    from tests.server.inproc import Recorder
+
+    from tailguard.server.app import Call
+
+    async with running_app() as app:
+        body = orjson.dumps({"prompt": "hello", "top_k": 1})
+        late, fresh = Recorder(), Recorder()
+        # read from its socket 1 s ago, parsed only now (a burst's intake): its 150 ms are gone
+        await app.handle(
+            Call("POST", "/v1/infer", {}, body, "c", late, t_arrival=time.monotonic() - 1)
+        )
+        assert late.status == 503 and "retry-after" in late.headers
+        assert app.engine.stats.finished_total == 0  # never sent to the engine
+        await app.handle(Call("POST", "/v1/infer", {}, body, "c", fresh))
+        assert fresh.status == 200
+        timing = orjson.loads(b"".join(fresh.chunks))["timing"]
+        assert timing["intake_ms"] == 0.0

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import shutil
 import ssl
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -257,7 +258,8 @@ async def test_intake_parses_a_bounded_slice_per_iteration_in_arrival_order() ->
         def __init__(self, name: str) -> None:
             self.name, self.deferred, self.closed = name, 0, False
 
-        def feed(self, data: bytes) -> None:
+        def feed(self, data: bytes, t_read: float) -> None:
+            assert t_read <= time.monotonic()  # when it was read, not when it is parsed
             fed.append((self.name, data))
 
     async with running_app(handlers_per_iteration=2) as app:

@@ -80,6 +80,7 @@ class Call:
     endpoint: str = ""  # metric label: completions, chat, embeddings, infer ("" for ops endpoints)
     task: asyncio.Task[None] | None = None  # the task handling this request
     error: TailguardError | None = None  # found while reading (413): answered without a handler
+    t_arrival: float = 0.0  # time.monotonic() when its first bytes were read from the socket
     t_read: float = 0.0  # time.monotonic() when the handler started on the read request
     outcome: str = "ok"  # metric label of the answer
     started: bool = False  # response headers sent
@@ -296,6 +297,8 @@ class App:
                     f"{call.method} is not allowed on {call.path}; use {' or '.join(route.methods)}"
                 )
             call.t_read = time.monotonic()
+            if not call.t_arrival:  # built without a socket (in-process)
+                call.t_arrival = call.t_read
             if route.api and self._client_checks:
                 self._check_client(call)
             await route.handler(call)

@@ -70,7 +70,8 @@ def check_model(app: App, name: str | None) -> None:
 
 
 def deadline(app: App, call: Call, timeout_s: float | None) -> float:
-    """Monotonic deadline: X-Request-Timeout-Ms, else the `timeout` field, else the SLA; capped."""
+    """Monotonic deadline: X-Request-Timeout-Ms, else the `timeout` field, else the SLA; capped;
+    counted from the request's arrival (its first bytes read from the socket)."""
     cfg = app.config
     ms = cfg.sla_ms
     raw_b = call.headers.get(b"x-request-timeout-ms")
@@ -87,7 +88,10 @@ def deadline(app: App, call: Call, timeout_s: float | None) -> float:
             )
     elif timeout_s is not None:
         ms = timeout_s * 1e3
-    return call.t_read + min(ms, cfg.max_deadline_ms) / 1e3
+    # From when the request's first bytes were read, not from when it was parsed: under a
+    # burst a request can wait in the intake, and a request that already waited out its
+    # deadline there must not be admitted (it would be late whatever the engine did).
+    return call.t_arrival + min(ms, cfg.max_deadline_ms) / 1e3
 
 
 _PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}

@@ -93,6 +93,7 @@ async def infer(app: App, call: Call) -> None:
             ],
             "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids)},
             "timing": {
+                "intake_ms": _ms(call.t_read - call.t_arrival),
                 "queue_ms": _ms(out.queue_s),
                 "compute_ms": _ms(out.compute_s),
                 "server_ms": _ms(time.monotonic() - call.t_read),

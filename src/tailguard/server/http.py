@@ -104,7 +104,7 @@ class HttpServer:
             if not self._reset_pending:
                 self._reset_pending = True
                 self.loop.call_soon(self._next_iteration)
-            conn.feed(data)
+            conn.feed(data, time.monotonic())
             return
         conn.deferred += 1
         self._inbox.append((conn, data, time.monotonic()))
@@ -124,7 +124,7 @@ class HttpServer:
             if not conn.closed:
                 self._taken += 1
                 self._intake_wait.observe(now - t_read)
-                conn.feed(data)
+                conn.feed(data, t_read)
         if inbox or self._taken:
             self._reset_pending = True
             self.loop.call_soon(self._next_iteration)
@@ -166,6 +166,8 @@ class HttpProtocol(asyncio.Protocol):
         "_drained",
         "_headers",
         "_parser",
+        "_t_arrival",
+        "_t_chunk",
         "_url",
         "call",
         "client",
@@ -188,6 +190,8 @@ class HttpProtocol(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_size = 0
         self._discard = False  # stop parsing: after a 413 or a malformed request
+        self._t_chunk = 0.0  # when the data being parsed was read from the socket
+        self._t_arrival = 0.0  # when the first bytes of the request being parsed were read
         self.call: Call | None = None  # the request being answered
         self.pending: deque[Call] = deque()  # pipelined requests waiting their turn
         self.client = ""
@@ -230,10 +234,12 @@ class HttpProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.server.take(self, data)
 
-    def feed(self, data: bytes) -> None:
-        """Parse `data` (called by the server's intake, at most a slice per loop iteration)."""
+    def feed(self, data: bytes, t_read: float) -> None:
+        """Parse `data`, read from the socket at `t_read` (called by the server's intake, at
+        most a slice per loop iteration)."""
         if self._discard:
             return
+        self._t_chunk = t_read
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -252,6 +258,7 @@ class HttpProtocol(asyncio.Protocol):
 
     # ---- httptools callbacks ------------------------------------------------------------------
     def on_message_begin(self) -> None:
+        self._t_arrival = self._t_chunk  # a request arrives with its first bytes
         self._url = b""
         self._headers = {}
         self._body = []
@@ -311,6 +318,7 @@ class HttpProtocol(asyncio.Protocol):
             self.client,
             self,
             keep_alive=self._parser.should_keep_alive(),
+            t_arrival=self._t_arrival,
         )
 
     def _too_large(self, what: str) -> None:
