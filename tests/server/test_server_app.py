@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import orjson
 import pytest
@@ -377,3 +378,39 @@ async def test_a_request_that_waited_out_its_deadline_before_parsing_is_turned_a
         assert fresh.status == 200
         timing = orjson.loads(b"".join(fresh.chunks))["timing"]
         assert timing["intake_ms"] == 0.0
+
+
+async def test_a_saturated_server_turns_generations_away_before_tokenizing_or_serves_cache() -> (
+    None
+):
+    async with running_app(max_queued_requests=1, simulated_tokens_per_s=200.0) as app:
+        tok = app.model.tokenizer
+        seen: list[str] = []
+        encode, template = tok.encode, tok.apply_chat_template
+
+        def spy_encode(text: str, add_bos: bool = True) -> list[int]:
+            if not text.startswith("[INST]"):  # the simple chat template encodes through here
+                seen.append(text)
+            return encode(text, add_bos)
+
+        def spy_template(messages: list[dict[str, Any]]) -> list[int]:
+            seen.append(messages[-1]["content"])
+            return template(messages)
+
+        tok.encode = spy_encode  # type: ignore[method-assign]
+        tok.apply_chat_template = spy_template  # type: ignore[method-assign]
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+        assert (await request(app, "POST", "/v1/chat/completions", chat)).status == 200
+        assert seen == ["hi"]  # answered, and now in the cache
+        hold = {"prompt": "hold", "max_tokens": 50, "timeout": 30}
+        held = asyncio.ensure_future(request(app, "POST", "/v1/completions", hold))
+        await asyncio.sleep(0.01)
+        assert app.admission.queued_requests == 1  # the one slot is taken
+        r = await request(app, "POST", "/v1/completions", {"prompt": "new", "max_tokens": 2})
+        assert r.status == 503 and "retry-after" in r.headers
+        other = {"messages": [{"role": "user", "content": "other"}], "max_tokens": 2}
+        assert (await request(app, "POST", "/v1/chat/completions", other)).status == 503
+        r = await request(app, "POST", "/v1/chat/completions", chat)  # the cached one
+        assert r.status == 200 and r.headers["x-tailguard-cache"] == "hit"
+        assert seen == ["hi", "hold"]  # none of the three was tokenized
+        held.cancel()

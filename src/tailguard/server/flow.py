@@ -47,6 +47,8 @@ __all__ = [
     "new_id",
     "outputs",
     "priority",
+    "served_from_cache",
+    "shed",
     "single",
 ]
 
@@ -288,6 +290,20 @@ async def single(app: App, call: Call, adm: Admitted) -> EngineOutput:
     return out
 
 
+def served_from_cache(app: App, call: Call, key: bytes | None, reason: str) -> bool:
+    """Graceful degradation: instead of failing a request (`reason`: overload or oom), answer
+    it from the cache if the cache has it and the client did not opt out (`no-cache`)."""
+    if key is None or "no-cache" in (call.header(b"cache-control") or "").lower():
+        return False
+    cached = app.cache.get(key)
+    if cached is None:
+        return False
+    app.metrics.cache_hits.labels(reason).inc()
+    call.outcome = "cache_hit"
+    call.respond(200, cached, [*JSON, (b"x-tailguard-cache", b"hit")])
+    return True
+
+
 async def answer(
     app: App, call: Call, key: bytes | None, compute: Callable[[], Awaitable[bytes]]
 ) -> None:
@@ -295,17 +311,15 @@ async def answer(
     if key is None:  # nothing to store, nothing to fall back to
         call.respond(200, await compute())
         return
-    cc = (call.header(b"cache-control") or "").lower()
     try:
         body: bytes = await compute()
     except (OverloadedError, OutOfMemoryRequestError) as e:
-        cached = app.cache.get(key) if "no-cache" not in cc else None
-        if cached is None:
-            raise
-        app.metrics.cache_hits.labels("overload" if isinstance(e, OverloadedError) else "oom").inc()
-        call.outcome = "cache_hit"
-        call.respond(200, cached, [*JSON, (b"x-tailguard-cache", b"hit")])
-        return
+        if served_from_cache(
+            app, call, key, "overload" if isinstance(e, OverloadedError) else "oom"
+        ):
+            return
+        raise
+    cc = (call.header(b"cache-control") or "").lower()
     if "no-store" not in cc:
         app.cache.put(key, body)
     call.respond(200, body)

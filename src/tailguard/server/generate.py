@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from tailguard.core.request import FinishReason, Priority, RequestKind, SamplingParams
-from tailguard.errors import TailguardError
+from tailguard.errors import OverloadedError, TailguardError
 from tailguard.server import flow
 from tailguard.server.errors import error_answer
 from tailguard.server.schemas import ChatRequest, CompletionRequest
@@ -68,6 +68,41 @@ def _finish_name(reason: FinishReason | None, stopped: bool) -> str:
     return "stop" if stopped or reason == FinishReason.STOP else "length"
 
 
+def _deterministic(req: CompletionRequest | ChatRequest) -> bool:
+    return req.temperature == 0 or req.seed is not None
+
+
+def shed_before_tokenizing(
+    app: App, call: Call, req: CompletionRequest | ChatRequest, *, chat: bool, prompt_bytes: int
+) -> bool:
+    """Turn a generation away before tokenizing it when not even a one-token request would be
+    admitted now (chat templates cost more than the rest of the request path together). True
+    when it was answered from the degradation cache instead; raises OverloadedError otherwise.
+
+    Only for a prompt that cannot run past the context whatever its tokens (no tokenizer makes
+    more tokens than UTF-8 bytes; 16 per message for a chat template's markers): such a request
+    gets its 400, not a 503, whatever the load.
+    """
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = 1 if chat else DEFAULT_MAX_TOKENS  # chat's default fits what is left
+    if prompt_bytes + 8 + max_tokens > app.model.max_model_len:
+        return False
+    deadline = flow.deadline(app, call, req.timeout)
+    priority = flow.priority(app, call, req.priority)
+    try:
+        flow.shed(app, deadline, priority, single_pass=False)
+    except OverloadedError:
+        endpoint = "chat" if chat else "completions"
+        key = None if req.stream else flow.cache_key(app, call, endpoint, req, _deterministic(req))
+        if flow.served_from_cache(app, call, key, "overload"):
+            return True
+        raise
+    return False
+
+
 async def run_generation(
     app: App, call: Call, req: CompletionRequest | ChatRequest, ids: tuple[int, ...], *, chat: bool
 ) -> None:
@@ -85,7 +120,7 @@ async def run_generation(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed
     )
     endpoint = "chat" if chat else "completions"
-    deterministic = req.temperature == 0 or req.seed is not None
+    deterministic = _deterministic(req)
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
 

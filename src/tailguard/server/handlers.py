@@ -19,7 +19,7 @@ import orjson
 from tailguard.core.request import Pooling, RequestKind
 from tailguard.errors import InvalidRequestError, OverloadedError
 from tailguard.server import flow
-from tailguard.server.generate import run_generation
+from tailguard.server.generate import run_generation, shed_before_tokenizing
 from tailguard.server.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -168,6 +168,9 @@ async def completions(app: App, call: Call) -> None:
     req = decode(call.body, CompletionRequest)
     flow.check_model(app, req.model)
     if isinstance(req.prompt, str):
+        size = len(req.prompt.encode())
+        if shed_before_tokenizing(app, call, req, chat=False, prompt_bytes=size):
+            return  # answered from the degradation cache
         ids = tuple(app.model.tokenizer.encode(req.prompt, add_bos=True))
     else:
         ids = flow.check_ids(app, req.prompt, "prompt")
@@ -178,6 +181,9 @@ async def chat(app: App, call: Call) -> None:
     req = decode(call.body, ChatRequest)
     flow.check_model(app, req.model)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    size = sum(len(m["content"].encode()) + 16 for m in messages)
+    if shed_before_tokenizing(app, call, req, chat=True, prompt_bytes=size):
+        return  # answered from the degradation cache
     try:
         ids = tuple(app.model.tokenizer.apply_chat_template(messages))
     except (ValueError, KeyError, TypeError) as e:
