@@ -380,9 +380,7 @@ async def test_a_request_that_waited_out_its_deadline_before_parsing_is_turned_a
         assert timing["intake_ms"] == 0.0
 
 
-async def test_a_saturated_server_turns_generations_away_before_tokenizing_or_serves_cache() -> (
-    None
-):
+async def test_a_saturated_server_turns_requests_away_before_tokenizing_or_serves_cache() -> None:
     async with running_app(max_queued_requests=1, simulated_tokens_per_s=200.0) as app:
         tok = app.model.tokenizer
         seen: list[str] = []
@@ -412,5 +410,7 @@ async def test_a_saturated_server_turns_generations_away_before_tokenizing_or_se
         assert (await request(app, "POST", "/v1/chat/completions", other)).status == 503
         r = await request(app, "POST", "/v1/chat/completions", chat)  # the cached one
         assert r.status == 200 and r.headers["x-tailguard-cache"] == "hit"
-        assert seen == ["hi", "hold"]  # none of the three was tokenized
+        r = await request(app, "POST", "/v1/embeddings", {"input": ["a", "b"]})
+        assert r.status == 503
+        assert seen == ["hi", "hold"]  # none of the four was tokenized
         held.cancel()

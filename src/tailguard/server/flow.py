@@ -49,6 +49,7 @@ __all__ = [
     "priority",
     "served_from_cache",
     "shed",
+    "shed_or_serve_cached",
     "single",
 ]
 
@@ -178,6 +179,27 @@ def shed(app: App, deadline_s: float, priority: Priority, *, single_pass: bool) 
             f"server overloaded: {d.reason}; retry after {d.retry_after_s:.1f} s",
             retry_after_s=d.retry_after_s,
         )
+
+
+def shed_or_serve_cached(
+    app: App,
+    call: Call,
+    deadline_s: float,
+    priority: Priority,
+    *,
+    single_pass: bool,
+    key: Callable[[], bytes | None],
+) -> bool:
+    """`shed` with graceful degradation, for a handler about to tokenize: False when a request
+    may still fit (go on), True when it was answered from the cache instead; else raises
+    OverloadedError. `key` (the cache key) is only computed when needed."""
+    try:
+        shed(app, deadline_s, priority, single_pass=single_pass)
+    except OverloadedError:
+        if served_from_cache(app, call, key(), "overload"):
+            return True
+        raise
+    return False
 
 
 def could_exceed_context(app: App, text: str) -> bool:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from tailguard.core.request import FinishReason, Priority, RequestKind, SamplingParams
-from tailguard.errors import OverloadedError, TailguardError
+from tailguard.errors import TailguardError
 from tailguard.server import flow
 from tailguard.server.errors import error_answer
 from tailguard.server.schemas import ChatRequest, CompletionRequest
@@ -90,17 +90,17 @@ def shed_before_tokenizing(
         max_tokens = 1 if chat else DEFAULT_MAX_TOKENS  # chat's default fits what is left
     if prompt_bytes + 8 + max_tokens > app.model.max_model_len:
         return False
-    deadline = flow.deadline(app, call, req.timeout)
-    priority = flow.priority(app, call, req.priority)
-    try:
-        flow.shed(app, deadline, priority, single_pass=False)
-    except OverloadedError:
-        endpoint = "chat" if chat else "completions"
-        key = None if req.stream else flow.cache_key(app, call, endpoint, req, _deterministic(req))
-        if flow.served_from_cache(app, call, key, "overload"):
-            return True
-        raise
-    return False
+    endpoint = "chat" if chat else "completions"
+    return flow.shed_or_serve_cached(
+        app,
+        call,
+        flow.deadline(app, call, req.timeout),
+        flow.priority(app, call, req.priority),
+        single_pass=False,
+        key=lambda: (
+            None if req.stream else flow.cache_key(app, call, endpoint, req, _deterministic(req))
+        ),
+    )
 
 
 async def run_generation(

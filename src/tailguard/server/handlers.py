@@ -112,10 +112,23 @@ async def infer(app: App, call: Call) -> None:
 async def embeddings(app: App, call: Call) -> None:
     req = decode(call.body, EmbeddingRequest)
     flow.check_model(app, req.model)
+    inputs = req.inputs()
+    # Nothing can turn out too long: when even one token would not fit, say so before
+    # tokenizing (or answer from the degradation cache, when it has this request).
+    fits_context = not any(isinstance(x, str) and flow.could_exceed_context(app, x) for x in inputs)
+    if fits_context and flow.shed_or_serve_cached(
+        app,
+        call,
+        flow.deadline(app, call, req.timeout),
+        flow.priority(app, call, req.priority),
+        single_pass=True,
+        key=lambda: flow.cache_key(app, call, "embeddings", req, True),
+    ):
+        return
     tok = app.model.tokenizer
     prompts = [
         tuple(tok.encode(x)) if isinstance(x, str) else flow.check_ids(app, x, "input")
-        for x in req.inputs()
+        for x in inputs
     ]
     for p in prompts:
         flow.check_context(app, len(p), 0, "input")
