@@ -31,7 +31,7 @@ from tailguard.errors import (
 )
 
 if TYPE_CHECKING:
-    from tailguard.core.admission import AdmissionController
+    from tailguard.core.admission import AdmissionController, Decision
     from tailguard.server.app import App, Call
 
 __all__ = [
@@ -49,7 +49,6 @@ __all__ = [
     "priority",
     "served_from_cache",
     "shed",
-    "shed_or_serve_cached",
     "single",
 ]
 
@@ -167,21 +166,14 @@ class Admitted:
             self._admission.release(self.request.request_id, time.monotonic())
 
 
-def shed(app: App, deadline_s: float, priority: Priority, *, single_pass: bool) -> None:
-    """Turn a request away before tokenizing it when not even a one-token request would be
-    admitted now (OverloadedError, 503 + Retry-After): under a burst far beyond capacity most
-    requests end here, and tokenizing them first would only slow the answers down."""
-    d = app.admission.saturated(
-        now_s=time.monotonic(), deadline_s=deadline_s, priority=priority, single_pass=single_pass
+def _overloaded(d: Decision) -> OverloadedError:
+    return OverloadedError(
+        f"server overloaded: {d.reason}; retry after {d.retry_after_s:.1f} s",
+        retry_after_s=d.retry_after_s,
     )
-    if d is not None:
-        raise OverloadedError(
-            f"server overloaded: {d.reason}; retry after {d.retry_after_s:.1f} s",
-            retry_after_s=d.retry_after_s,
-        )
 
 
-def shed_or_serve_cached(
+def shed(
     app: App,
     call: Call,
     deadline_s: float,
@@ -190,16 +182,19 @@ def shed_or_serve_cached(
     single_pass: bool,
     key: Callable[[], bytes | None],
 ) -> bool:
-    """`shed` with graceful degradation, for a handler about to tokenize: False when a request
-    may still fit (go on), True when it was answered from the cache instead; else raises
-    OverloadedError. `key` (the cache key) is only computed when needed."""
-    try:
-        shed(app, deadline_s, priority, single_pass=single_pass)
-    except OverloadedError:
-        if served_from_cache(app, call, key(), "overload"):
-            return True
-        raise
-    return False
+    """For a handler about to tokenize: when not even a one-token request would be admitted
+    now, answer from the degradation cache (True) or raise OverloadedError (503 +
+    Retry-After); False when the request may still fit. Under a burst far beyond capacity most
+    requests end here, and tokenizing them first would only slow the answers down. `key`
+    (the cache key) is only computed when needed."""
+    d = app.admission.saturated(
+        now_s=time.monotonic(), deadline_s=deadline_s, priority=priority, single_pass=single_pass
+    )
+    if d is None:
+        return False
+    if served_from_cache(app, call, key(), "overload"):
+        return True
+    raise _overloaded(d)
 
 
 def could_exceed_context(app: App, text: str) -> bool:
@@ -233,10 +228,7 @@ def admit(
         single_pass=kind != RequestKind.GENERATE,
     )
     if not d.admitted:
-        raise OverloadedError(
-            f"server overloaded: {d.reason}; retry after {d.retry_after_s:.1f} s",
-            retry_after_s=d.retry_after_s,
-        )
+        raise _overloaded(d)
     req = EngineRequest(
         request_id=rid,
         prompt_token_ids=ids,

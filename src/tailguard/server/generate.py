@@ -72,6 +72,17 @@ def _deterministic(req: CompletionRequest | ChatRequest) -> bool:
     return req.temperature == 0 or req.seed is not None
 
 
+def _max_tokens(req: CompletionRequest | ChatRequest, *, chat: bool, context_left: int) -> int:
+    """What the client asked for, else the default: 16 for completions (OpenAI's), the context
+    left (at most 512) for chat."""
+    asked = req.max_tokens
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        asked = req.max_completion_tokens
+    if asked is not None:
+        return asked
+    return DEFAULT_MAX_TOKENS if not chat else max(1, min(512, context_left))
+
+
 def shed_before_tokenizing(
     app: App, call: Call, req: CompletionRequest | ChatRequest, *, chat: bool, prompt_bytes: int
 ) -> bool:
@@ -83,15 +94,12 @@ def shed_before_tokenizing(
     more tokens than UTF-8 bytes; 16 per message for a chat template's markers): such a request
     gets its 400, not a 503, whatever the load.
     """
-    max_tokens = req.max_tokens
-    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
-    if max_tokens is None:
-        max_tokens = 1 if chat else DEFAULT_MAX_TOKENS  # chat's default fits what is left
+    # chat's default output (the context left) always fits: count one token for it
+    max_tokens = _max_tokens(req, chat=chat, context_left=1)
     if prompt_bytes + 8 + max_tokens > app.model.max_model_len:
         return False
     endpoint = "chat" if chat else "completions"
-    return flow.shed_or_serve_cached(
+    return flow.shed(
         app,
         call,
         flow.deadline(app, call, req.timeout),
@@ -106,12 +114,7 @@ def shed_before_tokenizing(
 async def run_generation(
     app: App, call: Call, req: CompletionRequest | ChatRequest, ids: tuple[int, ...], *, chat: bool
 ) -> None:
-    ctx = app.model.max_model_len
-    max_tokens = req.max_tokens
-    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS if not chat else max(1, min(512, ctx - len(ids)))
+    max_tokens = _max_tokens(req, chat=chat, context_left=app.model.max_model_len - len(ids))
     flow.check_context(app, len(ids), max_tokens, "max_tokens")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     deadline = flow.deadline(app, call, req.timeout)
@@ -210,6 +213,10 @@ async def _stream(
     obj = "chat.completion.chunk" if chat else "text_completion"
     text = _Text(app, stops)
 
+    def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        body = {"id": rid, "object": obj, "created": created, "model": app.model_name}
+        return b"data: " + orjson.dumps({**body, "choices": choices, **extra}) + b"\n\n"
+
     def chunk(delta: str | None, finish: str | None, first: bool = False) -> bytes:
         if chat:
             d: dict[str, Any] = {}
@@ -220,19 +227,7 @@ async def _stream(
             choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-        return (
-            b"data: "
-            + orjson.dumps(
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": app.model_name,
-                    "choices": [choice],
-                }
-            )
-            + b"\n\n"
-        )
+        return event([choice])
 
     n_out, reason, first_s = 0, None, None
     try:
@@ -262,22 +257,8 @@ async def _stream(
     observe_timing(first_s, time.monotonic(), n_out)
     if not call.started:
         call.start(200, SSE)
-    tail = [chunk(None, _finish_name(reason, text.stopped))]
+    body = chunk(None, _finish_name(reason, text.stopped))
     opts = getattr(req, "stream_options", None)
-    body = b"".join(tail)
     if isinstance(opts, dict) and opts.get("include_usage"):
-        body += (
-            b"data: "
-            + orjson.dumps(
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": app.model_name,
-                    "choices": [],
-                    "usage": usage(n_out),
-                }
-            )
-            + b"\n\n"
-        )
+        body += event([], usage=usage(n_out))
     await call.body_part(body + b"data: [DONE]\n\n", False)

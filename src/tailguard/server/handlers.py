@@ -55,21 +55,24 @@ async def infer(app: App, call: Call) -> None:
         raise InvalidRequestError(
             "nothing to return: set top_k >= 1 and/or embedding: true", param="top_k"
         )
-    ids: tuple[int, ...] | None = None
+    deadline = flow.deadline(app, call, req.timeout)
+    priority = flow.priority(app, call, req.priority)
+    key = flow.cache_key(app, call, "infer", req, True)
     if req.input_ids is not None:
         ids = flow.check_ids(app, req.input_ids, "input_ids")
         flow.check_context(app, len(ids), 0, "input_ids")
-    elif req.prompt is not None and flow.could_exceed_context(app, req.prompt):
-        ids = tuple(app.model.tokenizer.encode(req.prompt, add_bos=True))
+    else:
+        prompt = req.prompt or ""
+        # A prompt that fits the context whatever its tokens is shed before it is tokenized;
+        # one that might not is tokenized first, so that it gets its 400 rather than a 503.
+        if not flow.could_exceed_context(app, prompt) and flow.shed(
+            app, call, deadline, priority, single_pass=True, key=lambda: key
+        ):
+            return
+        ids = tuple(app.model.tokenizer.encode(prompt, add_bos=True))
         flow.check_context(app, len(ids), 0, "prompt")
-    deadline = flow.deadline(app, call, req.timeout)
-    priority = flow.priority(app, call, req.priority)
 
     async def compute() -> bytes:
-        nonlocal ids
-        if ids is None:  # a prompt that fits the context whatever its tokens: shed first
-            flow.shed(app, deadline, priority, single_pass=True)
-            ids = tuple(app.model.tokenizer.encode(req.prompt or "", add_bos=True))
         adm = flow.admit(
             app,
             call,
@@ -103,7 +106,7 @@ async def infer(app: App, call: Call) -> None:
             body["embedding"] = out.embedding
         return orjson.dumps(body)
 
-    await flow.answer(app, call, flow.cache_key(app, call, "infer", req, True), compute)
+    await flow.answer(app, call, key, compute)
 
 
 # ---- /v1/embeddings ---------------------------------------------------------------------------
@@ -116,7 +119,7 @@ async def embeddings(app: App, call: Call) -> None:
     # Nothing can turn out too long: when even one token would not fit, say so before
     # tokenizing (or answer from the degradation cache, when it has this request).
     fits_context = not any(isinstance(x, str) and flow.could_exceed_context(app, x) for x in inputs)
-    if fits_context and flow.shed_or_serve_cached(
+    if fits_context and flow.shed(
         app,
         call,
         flow.deadline(app, call, req.timeout),

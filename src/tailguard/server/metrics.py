@@ -73,6 +73,9 @@ class _Flush(Collector):
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
 
+    def describe(self) -> Iterable[Any]:
+        return ()  # no series of its own (and no collect() while the registry is being built)
+
     def collect(self) -> Iterable[Any]:
         self._metrics.flush()
         return ()
@@ -253,8 +256,6 @@ class ServerMetrics:
         """Move the request path's counts into prometheus_client (runs before every collection)."""
         for h in self._hot:
             h.flush()
-        if not hasattr(self, "conn_active"):  # the registry collects while being built
-            return
         opened, self._conn_opened = self._conn_opened, 0
         if opened:
             self.conn_opened.inc(opened)
