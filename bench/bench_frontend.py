@@ -13,17 +13,16 @@ Target: tailguard >= 0.5x the raw app's requests/s.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
+
+from tailguard.tools.lab.procs import free_port, serving
 
 RAW_APP = """
 import orjson
@@ -45,44 +44,6 @@ async def app(scope, receive, send):
 """
 
 BODY = '{"prompt": "The quick brown fox jumps over the lazy dog", "top_k": 5}'
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(url: str, timeout_s: float = 60.0) -> None:
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with (
-            contextlib.suppress(urllib.error.URLError, ConnectionError),
-            urllib.request.urlopen(url, timeout=2) as r,
-        ):
-            if r.status == 200:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer 200 within {timeout_s} s")
-
-
-@contextlib.contextmanager
-def process(cmd: list[str], ready_url: str, env: dict[str, str] | None = None) -> Iterator[None]:
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})}
-    )
-    try:
-        wait_http(ready_url)
-        yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def wrk(url: str, duration: int, connections: int, script: Path) -> dict[str, float]:
@@ -142,7 +103,9 @@ def main() -> int:
             "--log-level",
             "warning",
         ]
-        with process(raw_cmd, f"http://127.0.0.1:{port}/", env={"PYTHONPATH": tmp}):
+        log = Path(tmp) / "raw.log"
+        ready = f"http://127.0.0.1:{port}/"
+        with serving("raw ASGI app", raw_cmd, log, ready, env={"PYTHONPATH": tmp}):
             wrk(f"http://127.0.0.1:{port}/v1/infer", 2, args.connections, lua)  # warm-up
             results["raw uvicorn ASGI echo"] = wrk(
                 f"http://127.0.0.1:{port}/v1/infer", args.duration, args.connections, lua
@@ -161,7 +124,8 @@ def main() -> int:
             "--log-level",
             "warning",
         ]
-        with process(tg_cmd, f"http://127.0.0.1:{port}/ready"):
+        log = Path(tmp) / "tailguard.log"
+        with serving("tailguard", tg_cmd, log, f"http://127.0.0.1:{port}/ready"):
             wrk(f"http://127.0.0.1:{port}/v1/infer", 2, args.connections, lua)
             results["tailguard (stub engine)"] = wrk(
                 f"http://127.0.0.1:{port}/v1/infer", args.duration, args.connections, lua

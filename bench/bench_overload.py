@@ -30,15 +30,18 @@ import json
 import os
 import re
 import resource
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httptools
+
+from tailguard.tools.lab.procs import free_port, serving
 
 PROMPT = (
     "Batch item {i}: classify the following support ticket and return the most likely "
@@ -299,12 +302,6 @@ def run_client(impl: str, url: str, n: int, timeout_s: float, chunk: int = 0) ->
 # ---- orchestration ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     import urllib.error
     import urllib.request
@@ -316,15 +313,6 @@ def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
         return e.code, ""
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return 0, ""
-
-
-def wait_ok(url: str, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if get(url)[0] == 200:
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout_s} s")
 
 
 def hist(text: str, name: str, labels: dict[str, str]) -> dict[str, float]:
@@ -423,21 +411,6 @@ def _le(sla_s: float) -> str:
     return repr(float(sla_s)) if sla_s not in (1.0, 5.0, 10.0) else f"{sla_s:.1f}"
 
 
-@contextlib.contextmanager
-def server(cmd: list[str], ready_url: str) -> Any:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ok(ready_url)
-        yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=10_000)
@@ -474,33 +447,20 @@ def main() -> int:
     print(f"sysctl net.core.somaxconn=16384: {'ok' if r.returncode == 0 else r.stderr.strip()}")
     py = sys.executable
     results = []
+    logs = Path(tempfile.mkdtemp(prefix="bench-overload-"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with server(
-        [
-            py,
-            "-m",
-            "tailguard.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--sla-ms",
-            str(args.sla_ms),
-            "--log-level",
-            "warning",
-            *args.server_arg,
-        ],
-        url + "/ready",
-    ):
+    tailguard = [py, "-m", "tailguard.cli", "serve", "--port", str(port)]
+    tailguard += ["--sla-ms", str(args.sla_ms), "--log-level", "warning", *args.server_arg]
+    with serving("tailguard", tailguard, logs / "tailguard.log", url + "/ready"):
         res = run_load(url, args.requests, args.timeout_s, args)
         results.append(summarize("tailguard", res, get(url + "/metrics")[1], args.sla_ms / 1e3))
     if not args.skip_naive:
         time.sleep(10)  # TIME_WAIT and accept queues drain between heavy runs
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        with server(
-            [py, "-m", "tailguard.tools.lab.naive_server", "--port", str(port)], url + "/health"
-        ):
+        naive = [py, "-m", "tailguard.tools.lab.naive_server", "--port", str(port)]
+        with serving("naive server", naive, logs / "naive.log", url + "/health"):
             res = run_load(url, args.requests, args.timeout_s, args)
             results.append(
                 summarize("naive (runbook)", res, get(url + "/metrics")[1], args.sla_ms / 1e3)

@@ -129,3 +129,22 @@ def test_naive_setup_command_shape() -> None:
     cmd = NaiveServer(flags=("--device", "cuda")).command(8123)
     assert cmd[1:3] == ["-m", "tailguard.tools.lab.naive_server"]
     assert cmd[-4:] == ["--port", "8123", "--device", "cuda"]
+
+
+def test_serving_waits_for_ready_and_stops_what_it_started(tmp_path: Path) -> None:
+    import sys
+
+    from tailguard.tools.lab.procs import LabError, free_port, http_status, serving
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+    url = f"http://127.0.0.1:{port}/"
+    with serving("http.server", cmd, tmp_path / "s.log", url, timeout_s=30) as proc:
+        assert proc.alive and http_status(url) == 200
+    assert not proc.alive
+    dies = [sys.executable, "-c", "raise SystemExit(3)"]
+    with (  # a server that dies says so, with its log
+        pytest.raises(LabError, match="exited"),
+        serving("bad", dies, tmp_path / "b.log", url),
+    ):
+        pass

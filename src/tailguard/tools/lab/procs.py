@@ -14,7 +14,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +104,25 @@ def stop(p: Proc, timeout_s: float = 10.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             p.popen.kill()
         p.popen.wait(5)
+
+
+@contextlib.contextmanager
+def serving(
+    name: str,
+    cmd: Sequence[str],
+    log: Path,
+    ready_url: str,
+    *,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> Iterator[Proc]:
+    """A server process, from the moment `ready_url` answers 200 until the block ends."""
+    proc = start(name, cmd, log, env)
+    try:
+        wait_until(lambda: http_status(ready_url) == 200, [proc], timeout_s, f"{name} ready")
+        yield proc
+    finally:
+        stop(proc)
 
 
 def make_tls_cert(folder: Path) -> tuple[Path, Path]:
