@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import yaml
 
 from tailguard.deploy.envoy import EnvoySettings, Replica, find_envoy, render
 from tailguard.deploy.tls import self_signed_cert
+from tailguard.tools.lab.procs import free_port
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
@@ -53,12 +53,6 @@ BACKEND_CMDS = {
 }
 BACKEND_CMD = BACKEND_CMDS[BACKEND]
 STANDIN_ONLY = "needs the stand-in's knobs (--service-ms, --max-in-flight)"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, str]:

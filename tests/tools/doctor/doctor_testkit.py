@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,13 +10,10 @@ from pathlib import Path
 
 from aiohttp import web
 
+from tailguard.tools.lab.procs import free_port
+
 FIXTURES = Path(__file__).parent / "fixtures"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["FIXTURES", "Replay", "fixture_pair", "free_port"]
 
 
 class Replay:
