@@ -75,20 +75,9 @@ def test_print_config_has_the_keys_the_drift_check_reads(tmp_path: Path) -> None
         timeout=60,
     ).stdout
     cfg = json.loads(out)
-    for key in (
-        "sla_ms",
-        "host",
-        "port",
-        "keepalive_timeout_s",
-        "max_queued_requests",
-        "max_queued_tokens",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "engine_threads",
-        "http_server",
-        "backlog",
-        "max_body_bytes",
-    ):
+    from tailguard.deploy.drift import SERVER_KEYS
+
+    for key in ("host", "port", *SERVER_KEYS):  # every key the drift check reads
         assert key in cfg, key
     assert cfg["sla_ms"] == 180 and cfg["keepalive_timeout_s"] == 75 and cfg["max_num_seqs"] == 32
     assert cfg["api_key"] == "***"

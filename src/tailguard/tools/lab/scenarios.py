@@ -24,39 +24,18 @@ class LoadSpec:
     warmup_s: float = 2.0  # admission cost model fitted (0 s: no warm-up)
 
     def warmup(self, url: str, report_dir: str, scale: float = 1.0) -> list[str]:
-        return [
-            url,
-            "--endpoint",
-            self.endpoint,
-            "--profile",
-            "constant",
-            "--rate",
-            f"{self.warmup_rate * scale:g}",
-            "--duration",
-            f"{self.warmup_s:g}s",
-            "--timeout",
-            f"{self.timeout_s:g}s",
-            "--report",
-            report_dir,
-            "--quiet",
-        ]
+        return self._load(url, report_dir, self.warmup_rate * scale, self.warmup_s)
 
     def args(self, url: str, report_dir: str, scale: float = 1.0) -> list[str]:
+        return self._load(url, report_dir, self.rate * scale, self.duration_s)
+
+    def _load(self, url: str, report_dir: str, rate: float, duration_s: float) -> list[str]:
+        """`tailguard load` arguments: constant open-loop rate for `duration_s`."""
         return [
             url,
-            "--endpoint",
-            self.endpoint,
-            "--profile",
-            "constant",
-            "--rate",
-            f"{self.rate * scale:g}",
-            "--duration",
-            f"{self.duration_s:g}s",
-            "--timeout",
-            f"{self.timeout_s:g}s",
-            "--report",
-            report_dir,
-            "--quiet",
+            *("--endpoint", self.endpoint, "--profile", "constant"),
+            *("--rate", f"{rate:g}", "--duration", f"{duration_s:g}s"),
+            *("--timeout", f"{self.timeout_s:g}s", "--report", report_dir, "--quiet"),
         ]
 
 
