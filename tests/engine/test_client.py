@@ -86,3 +86,28 @@ async def test_client_streams_aborts_and_survives_engine_death(tiny_model_dir: P
     finally:
         await client.close()
     assert not client.ready
+
+
+def test_stats_hand_each_step_record_over_once() -> None:
+    import dataclasses
+
+    from tailguard.core.stats import EngineStats, StepStats
+    from tailguard.engine.client import KEEP_STEPS
+    from tailguard.engine.config import EngineConfig
+
+    def step(t: float) -> StepStats:
+        return StepStats(
+            t_s=t, step_s=0.01, num_seqs=1, num_tokens=8, padded_seqs=1, padded_tokens=16,
+            num_prefill_tokens=8, num_decode_tokens=0,
+        )  # fmt: skip
+
+    client = EngineClient(dataclasses.replace(EngineConfig(), warmup=False))
+    client._take_stats(EngineStats(steps_total=1, recent_steps=[step(1.0)]))
+    client._take_stats(EngineStats(steps_total=3, recent_steps=[step(2.0), step(3.0)]))
+    s = client.stats  # read less often than snapshots arrive: nothing lost
+    assert s.steps_total == 3 and [x.t_s for x in s.recent_steps] == [1.0, 2.0, 3.0]
+    assert client.stats.recent_steps == []  # and nothing handed over twice
+    for i in range(KEEP_STEPS + 10):  # a reader that stops reading costs bounded memory
+        client._take_stats(EngineStats(recent_steps=[step(10.0 + i)]))
+    kept = client.stats.recent_steps
+    assert len(kept) == KEEP_STEPS and kept[-1].t_s == 10.0 + KEEP_STEPS + 9

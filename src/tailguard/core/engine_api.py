@@ -43,7 +43,8 @@ class EngineClientProtocol(Protocol):
 
     @property
     def stats(self) -> EngineStats:
-        """Latest snapshot published by the engine (plain data)."""
+        """Latest snapshot published by the engine (plain data). Its `recent_steps` are the
+        steps since the previous read: each step record is handed over once."""
         ...
 
     @property

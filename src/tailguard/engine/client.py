@@ -25,7 +25,7 @@ import msgspec
 import zmq
 
 from tailguard.core.request import EngineOutput, EngineRequest
-from tailguard.core.stats import EngineStats
+from tailguard.core.stats import EngineStats, StepStats
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.protocol import (
     AbortMsg,
@@ -40,7 +40,7 @@ from tailguard.errors import EngineUnavailableError
 
 STARTUP_TIMEOUT_S = 600.0  # loading + warm-up of a large checkpoint can take minutes
 WATCH_INTERVAL_S = 0.1
-KEEP_STEPS = 1024  # step records kept for readers of `stats` (de-duplicated by time)
+KEEP_STEPS = 1024  # step records kept until `stats` is read (a reader that stops reading)
 
 
 def _fd(sock: zmq.Socket[bytes]) -> int:
@@ -53,6 +53,7 @@ class EngineClient:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._stats = EngineStats()
+        self._unread_steps: list[StepStats] = []
         self._ready = False
         self._restarts = 0
         self._closing = False
@@ -75,7 +76,9 @@ class EngineClient:
     # ---- protocol properties ---------------------------------------------------------------
     @property
     def stats(self) -> EngineStats:
-        return self._stats
+        s = self._stats
+        s.recent_steps, self._unread_steps = self._unread_steps, []  # each step handed over once
+        return s
 
     @property
     def ready(self) -> bool:
@@ -160,7 +163,7 @@ class EngineClient:
         msg = await self._await_ready()
         self.max_model_len = msg.max_model_len
         self.num_kv_blocks = msg.num_kv_blocks
-        self._stats = msg.stats
+        self._take_stats(msg.stats)  # its step records are the warm-up steps: keep them
         self._ready = True
 
     async def _await_ready(self) -> ReadyMsg:
@@ -241,10 +244,13 @@ class EngineClient:
                 self.last_error = str(exc)
 
     def _take_stats(self, stats: EngineStats) -> None:
-        """Keep the newest snapshot, but carry the step records of earlier ones forward (the
-        engine sends each step once; a reader polling less often than snapshots arrive must
-        not lose them). Readers de-duplicate by StepStats.t_s."""
-        stats.recent_steps = (self._stats.recent_steps + stats.recent_steps)[-KEEP_STEPS:]
+        """Keep the newest snapshot; its step records join those not read yet (the engine
+        sends each step once, and a reader polling less often than snapshots arrive must not
+        lose them). `stats` hands them over once."""
+        self._unread_steps.extend(stats.recent_steps)
+        if len(self._unread_steps) > KEEP_STEPS:
+            del self._unread_steps[:-KEEP_STEPS]
+        stats.recent_steps = []
         self._stats = stats
 
     def _stop_reader(self) -> None:

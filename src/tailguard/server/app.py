@@ -241,7 +241,6 @@ class App:
         """
         period = 0.005
         lag_avg = 0.0
-        last_steps = 0
         logged: set[type] = set()
         while True:
             t = time.perf_counter()
@@ -256,13 +255,6 @@ class App:
                 )
                 for step in new:
                     self.admission.cost.observe(step.num_tokens, step.step_s)
-                if not new and s.steps_total > last_steps and s.step_s_ewma > 0:
-                    # Steps ran but their records were in a snapshot this poll never saw (the
-                    # client keeps only the latest one): learn from the engine's averages.
-                    self.admission.cost.observe(
-                        max(1, round(s.tokens_per_s * s.step_s_ewma)), s.step_s_ewma
-                    )
-                last_steps = s.steps_total
                 self.admission.cost.refit()
                 self.metrics.in_flight.set(self.admission.queued_requests)
             except Exception as exc:  # a bad snapshot must not stop the pump; say so once
