@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, field
 
 from tailguard.core.request import Priority
@@ -152,7 +153,7 @@ class StepCostModel:
         self._update_slowdown()
 
     def _update_slowdown(self) -> None:
-        recent = list(self._steps)[-_SLOWDOWN_STEPS:]
+        recent = islice(reversed(self._steps), _SLOWDOWN_STEPS)
         self.slowdown = max(1.0, max(y / self.step_s(x) for x, y in recent))
 
     def step_s(self, num_tokens: int) -> float:
