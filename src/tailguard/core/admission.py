@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 
 from tailguard.core.request import Priority
 
