@@ -414,3 +414,24 @@ async def test_a_saturated_server_turns_requests_away_before_tokenizing_or_serve
         assert r.status == 503
         assert seen == ["hi", "hold"]  # none of the four was tokenized
         held.cancel()
+
+
+async def test_ignore_eos_reaches_the_engine_and_is_type_checked() -> None:
+    async with running_app() as app:
+        seen: list[bool] = []
+        submit = app.engine.submit
+
+        def spy(req: Any) -> Any:
+            seen.append(req.sampling.ignore_eos)
+            return submit(req)
+
+        app.engine.submit = spy  # type: ignore[method-assign]
+        body = {"prompt": "hi", "max_tokens": 4, "ignore_eos": True}
+        r = await request(app, "POST", "/v1/completions", body)
+        assert r.status == 200, r.body
+        assert r.json()["usage"]["completion_tokens"] == 4
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert (await request(app, "POST", "/v1/chat/completions", chat)).status == 200
+        assert seen == [True, False]
+        r = await request(app, "POST", "/v1/completions", {**body, "ignore_eos": "yes"})
+        assert r.status == 400 and "ignore_eos" in r.json()["error"]["message"]

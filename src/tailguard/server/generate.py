@@ -120,7 +120,11 @@ async def run_generation(
     deadline = flow.deadline(app, call, req.timeout)
     priority = flow.priority(app, call, req.priority)
     sampling = SamplingParams(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        ignore_eos=req.ignore_eos,
     )
     endpoint = "chat" if chat else "completions"
     deterministic = _deterministic(req)

@@ -49,6 +49,7 @@ class _Sampling(_Common, kw_only=True):
     n: Annotated[int, Meta(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens (benchmark clients)
 
 
 class CompletionRequest(_Sampling, kw_only=True):
