@@ -1,4 +1,9 @@
-"""Admission policy stepped by hand: no clock, no HTTP, no engine."""
+"""Admission policy stepped by hand: no clock, no HTTP, no engine.
+
+The step cost is a = 10 ms per step plus b = 0.1 ms per token, 1024 tokens and 64 sequences per
+step; the priors of the calibration are neutral (ratio 1, excess 0) unless a test is about them,
+so every prediction below can be computed by hand from the model in core/admission.py.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +12,19 @@ import pytest
 from tailguard.core.admission import (
     AdmissionConfig,
     AdmissionController,
-    StepCostModel,
+    Decision,
     retry_after_header,
 )
-from tailguard.core.request import Priority
+from tailguard.core.request import EngineOutput, FinishReason, Priority
 
 INT, BAT = Priority.INTERACTIVE, Priority.BATCH
+A, B = 0.010, 0.0001
 
 
 def make(**kw: object) -> AdmissionController:
-    # a = 10 ms per step, b = 0.1 ms per token, 1024 tokens per step; the prediction alone
-    # unless a test is about the adaptive cap
-    kw.setdefault("adaptive_cap", False)
-    cfg = AdmissionConfig(prior_step_overhead_s=0.010, prior_s_per_token=0.0001, **kw)  # type: ignore[arg-type]
+    kw.setdefault("prior_ratio", 1.0)
+    kw.setdefault("prior_excess_s", 0.0)
+    cfg = AdmissionConfig(prior_step_overhead_s=A, prior_s_per_token=B, **kw)  # type: ignore[arg-type]
     return AdmissionController(cfg)
 
 
@@ -32,11 +37,12 @@ def decide(
     prio: Priority = INT,
     out: int = 0,
     single: bool = True,
-):  # type: ignore[no-untyped-def]
+    now: float = 0.0,
+) -> Decision:
     return c.decide(
         rid,
-        now_s=0.0,
-        deadline_s=deadline,
+        now_s=now,
+        deadline_s=now + deadline,
         prompt_tokens=tokens,
         output_tokens=out,
         priority=prio,
@@ -44,36 +50,179 @@ def decide(
     )
 
 
-def test_admits_until_the_predicted_finish_passes_the_deadline() -> None:
-    c = make(safety_margin=1.0)
-    # each 1000-token request adds ~0.1 s of tokens + 0.01 s per step
-    assert decide(c, "a", tokens=1000).admitted
-    d = decide(c, "b", tokens=1000, deadline=0.15)
-    assert not d.admitted
-    assert "predicted" in d.reason and "deadline" in d.reason
-    assert c.queued_requests == 1 and c.queued_tokens == 1000
-    assert decide(c, "c", tokens=1000, deadline=0.5).admitted  # a longer deadline fits
+def output(rid: str, new: int = 1, finished: bool = False, **kw: object) -> EngineOutput:
+    reason = kw.pop("reason", FinishReason.DONE if finished else None)
+    return EngineOutput(
+        rid,
+        new_token_ids=[7] * new,
+        finished=finished,
+        finish_reason=reason,
+        **kw,  # type: ignore[arg-type]
+    )
 
 
-def test_release_and_progress_shrink_the_ledger() -> None:
+def test_an_idle_server_admits_and_predicts_one_step() -> None:
     c = make()
-    decide(c, "g", tokens=50, out=20, single=False)
-    assert c.queued_tokens == 70
-    c.progress("g", prefill_done=True, output_tokens_done=5)
+    d = decide(c, "a", tokens=1000)
+    assert d.admitted and d.code == "" and d.predicted_s == pytest.approx(A + 1000 * B)
+    assert c.queued_requests == 1 and c.queued_tokens == 1000
+
+
+def test_refuses_only_what_is_predicted_to_be_late() -> None:
+    c = make()
+    assert decide(c, "a", tokens=1000).admitted
+    # 2,000 tokens in 2 steps, after the 1,000-token step now running: 0.22 + 0.11 s
+    d = decide(c, "b", tokens=1000, deadline=0.15)
+    assert not d.admitted and d.code == "late"
+    assert d.predicted_s == pytest.approx(2 * A + 2000 * B + (A + 1000 * B))
+    assert "predicted 330 ms to finish" in d.reason and "leaves 150 ms" in d.reason
+    assert c.queued_requests == 1  # a refusal commits nothing
+    assert decide(c, "c", tokens=1000, deadline=0.34).admitted  # a longer deadline fits
+
+
+def test_the_running_step_counts_only_what_is_left_of_it() -> None:
+    c = make()
+    assert decide(c, "a", tokens=1000, now=0.0).admitted
+    c.step_ended(0.0)  # the step for "a" began at 0
+    d = decide(c, "b", tokens=10, now=0.06, deadline=10.0)
+    # 1,010 tokens in 1 step after the remaining 0.05 s of the running one
+    assert d.predicted_s == pytest.approx(A + 1010 * B + (A + 1000 * B - 0.06))
+
+
+def test_a_long_deadline_is_admitted_whatever_is_queued() -> None:
+    c = make()
+    for i in range(64):  # 64 concurrent generations, 32-token prompts, 60 s deadline
+        assert decide(c, f"g{i}", tokens=32, out=16, single=False, deadline=60.0).admitted
+    assert c.queued_requests == 64 and c.queued_tokens == 64 * 48
+
+
+def test_the_ledger_follows_engine_outputs() -> None:
+    c = make()
+    decide(c, "g", tokens=50, out=20, single=False, deadline=10.0)
+    assert c.queued_tokens == 70 and c.decoding == 0
+    c.observe_output(output("g", new=1), now_s=0.05)  # first token: prefill done, holds a slot
+    assert c.queued_tokens == 19 and c.decoding == 1
+    c.observe_output(output("g", new=4), now_s=0.06)
     assert c.queued_tokens == 15
-    c.release("g")
-    assert c.queued_tokens == 0 and c.queued_requests == 0
-    c.release("g")  # idempotent
-    c.progress("unknown", prefill_done=True, output_tokens_done=1)
+    c.observe_output(output("g", new=1, finished=True, reason=FinishReason.STOP), now_s=0.07)
+    assert c.queued_tokens == 0 and c.queued_requests == 0 and c.decoding == 0
+    c.release("g")  # the handler's release afterwards is a no-op
+    c.observe_output(output("unknown"), now_s=0.1)
     assert c.queued_tokens == 0
+    decide(c, "s", tokens=30, deadline=10.0)
+    c.release("s")  # a handler that failed before the engine answered releases it
+    assert c.queued_tokens == 0 and c.queued_requests == 0
 
 
-def test_interactive_work_does_not_wait_behind_batch_work() -> None:
-    c = make(safety_margin=1.0)
+def test_interactive_work_does_not_wait_behind_waiting_batch_work() -> None:
+    c = make()
     for i in range(3):
         assert decide(c, f"b{i}", tokens=400, prio=BAT, deadline=10.0).admitted
-    assert not decide(c, "late-batch", tokens=400, prio=BAT).admitted
-    assert decide(c, "vip", tokens=400, prio=INT).admitted
+    late = decide(c, "late-batch", tokens=400, prio=BAT)
+    assert not late.admitted
+    vip = decide(c, "vip", tokens=400, prio=INT, deadline=0.2)
+    # its own 400 tokens, after the step now running (1,024 of the 1,200 batch tokens)
+    assert vip.admitted and vip.predicted_s == pytest.approx(A + 400 * B + A + 1024 * B)
+
+
+def test_full_batch_slots_wait_for_the_first_decodes_to_finish() -> None:
+    c = make(max_num_seqs=4)
+    for i, remaining in enumerate((5, 3, 8, 10)):
+        decide(c, f"g{i}", tokens=10, out=remaining + 1, single=False, deadline=10.0)
+        c.observe_output(output(f"g{i}", new=1), now_s=0.0)
+    assert c.decoding == 4
+    c.step_ended(0.0)
+    d = decide(c, "s", tokens=100, deadline=10.0)
+    # no free slot: 3 decode steps until "g1" ends, then its step; each step decodes 4 tokens
+    steps = 3 + 1
+    running = A + B * 4  # the step now running decodes the 4 held sequences
+    assert d.predicted_s == pytest.approx(steps * (A + 4 * B) + 100 * B + running)
+
+
+def test_calibration_widens_the_bound_after_late_answers_and_tightens_after_good_ones() -> None:
+    c = make(calibration_min_samples=4, calibration_window=8)
+    raw = A + 1000 * B
+    for i in range(4):  # the engine took twice as long as predicted
+        t0 = 10.0 * i
+        decide(c, f"slow{i}", tokens=1000, deadline=10.0, now=t0)
+        c.observe_output(output(f"slow{i}", finished=True), now_s=t0 + 2 * raw)
+    c.refresh(100.0)
+    assert c.calibration[True].ratio == pytest.approx(2.0)
+    d = decide(c, "x", tokens=1000, deadline=10.0, now=100.0)
+    assert d.predicted_s == pytest.approx(2 * raw)
+    c.release("x")
+    for i in range(8):  # then predictions were right: the window forgets the slow ones
+        t0 = 200.0 + 10.0 * i
+        decide(c, f"ok{i}", tokens=1000, deadline=10.0, now=t0)
+        c.observe_output(output(f"ok{i}", finished=True), now_s=t0 + raw)
+    c.refresh(300.0)
+    assert c.calibration[True].ratio == pytest.approx(1.0)
+    assert decide(c, "y", tokens=1000, now=300.0).predicted_s == pytest.approx(raw)
+
+
+def test_a_generation_is_sampled_at_its_first_token_not_at_the_end() -> None:
+    c = make(calibration_min_samples=1)
+    decide(c, "g", tokens=1000, out=500, single=False, deadline=10.0)
+    raw = A + 1000 * B
+    c.observe_output(output("g", new=1), now_s=raw)  # first token exactly as predicted
+    c.observe_output(output("g", new=499, finished=True), now_s=30.0)  # a long generation
+    c.refresh(31.0)
+    assert c.calibration[False].ratio == pytest.approx(1.0)
+    assert c.calibration[True].samples == 0
+
+
+def test_an_aborted_request_gives_no_sample_but_an_expired_one_does() -> None:
+    c = make(calibration_min_samples=1)
+    decide(c, "a", tokens=1000, deadline=10.0)
+    c.observe_output(output("a", finished=True, reason=FinishReason.ABORTED), now_s=5.0)
+    assert c.calibration[True].samples == 0
+    decide(c, "e", tokens=1000, deadline=10.0)
+    c.observe_output(output("e", new=0, finished=True, reason=FinishReason.EXPIRED), now_s=0.33)
+    c.refresh(1.0)
+    assert c.calibration[True].ratio == pytest.approx(3.0)  # 0.33 s against 0.11 predicted
+
+
+def test_requests_in_flight_past_their_bound_widen_it_at_once() -> None:
+    c = make()
+    raw = A + 1000 * B
+    decide(c, "stuck", tokens=1000, deadline=10.0)
+    c.refresh(raw / 2)
+    assert c.calibration[True].live_ratio == 0.0  # not overdue yet
+    c.refresh(3 * raw)  # the engine stalled: "stuck" has taken 3x its prediction so far
+    assert c.calibration[True].live_ratio == pytest.approx(3.0)
+    assert c.calibration[True].live_excess_s == pytest.approx(2 * raw)
+    engine = c.engine_s(10, interactive=True, now_s=3 * raw)
+    d = decide(c, "next", tokens=10, deadline=10.0, now=3 * raw)
+    assert d.predicted_s == pytest.approx(3 * engine)
+    c.observe_output(output("stuck", finished=True), now_s=3 * raw)
+    c.refresh(3 * raw)
+    assert c.calibration[True].live_ratio == 0.0
+
+
+def test_priors_stand_until_enough_answers_are_in() -> None:
+    c = AdmissionController(AdmissionConfig(prior_step_overhead_s=A, prior_s_per_token=B))
+    cal = c.calibration[True]
+    assert cal.ratio == 1.25 and cal.excess_s == 0.010
+    # small predictions are dominated by the fixed delay, large ones by the ratio
+    assert cal.bound(0.002) == pytest.approx(0.012)
+    assert cal.bound(0.1) == pytest.approx(0.125)
+
+
+def test_the_front_end_delay_is_added_after_calibration() -> None:
+    c = make()
+    c.frontend_delay_s = 0.03
+    d = decide(c, "a", tokens=1000)
+    assert d.predicted_s == pytest.approx(A + 1000 * B + 0.03)
+
+
+def test_admission_off_admits_everything_the_caps_allow() -> None:
+    c = make(enabled=False, max_queued_requests=100)
+    for i in range(100):
+        d = decide(c, f"r{i}", tokens=1000, deadline=0.001)
+        assert d.admitted and d.engine_deadline_s == float("inf")
+    d = decide(c, "over", tokens=1, deadline=100)
+    assert not d.admitted and d.code == "queue_requests"
+    assert c.saturated(now_s=0.0, deadline_s=0.0, priority=INT, single_pass=True) is not None
 
 
 def test_hard_caps_and_the_batch_share() -> None:
@@ -81,98 +230,46 @@ def test_hard_caps_and_the_batch_share() -> None:
     for i in range(5):
         assert decide(c, f"b{i}", tokens=1, prio=BAT, deadline=100).admitted
     d = decide(c, "b5", tokens=1, prio=BAT, deadline=100)
-    assert not d.admitted and "requests already queued" in d.reason
+    assert not d.admitted and d.code == "queue_requests" and "cap 5 for this priority" in d.reason
     for i in range(5):
         assert decide(c, f"i{i}", tokens=1, prio=INT, deadline=100).admitted
-    assert not decide(c, "i5", tokens=1, prio=INT, deadline=100).admitted
+    assert decide(c, "i5", tokens=1, prio=INT, deadline=100).code == "queue_requests"
     c2 = make(max_queued_tokens=1000)
-    assert not decide(c2, "big", tokens=500, out=600, single=False, deadline=100).admitted
+    d = decide(c2, "big", tokens=500, out=600, single=False, deadline=100)
+    assert d.code == "queue_tokens"
+
+
+def test_a_request_whose_deadline_passed_in_the_intake_is_refused() -> None:
+    c = make()
+    d = decide(c, "old", tokens=10, deadline=-0.02)
+    assert not d.admitted and d.code == "deadline_passed" and "passed 20 ms ago" in d.reason
 
 
 def test_generation_deadline_bounds_the_first_token_not_the_whole_output() -> None:
-    c = make(safety_margin=1.0)
+    c = make()
     d = decide(c, "g", tokens=10, out=10_000, single=False, deadline=0.15)
-    assert d.admitted and d.predicted_s < 0.15
+    assert d.admitted and d.predicted_s == pytest.approx(A + 10 * B)
     assert d.engine_deadline_s == pytest.approx(0.15)
 
 
 def test_single_pass_engine_deadline_leaves_room_for_its_own_compute() -> None:
     c = make()
     d = decide(c, "s", tokens=1000, deadline=1.0)
-    assert d.admitted and d.engine_deadline_s == pytest.approx(1.0 - (0.010 + 0.1))
+    assert d.admitted and d.engine_deadline_s == pytest.approx(1.0 - (A + 1000 * B))
 
 
-def test_retry_after_grows_with_the_queue_and_has_bounds() -> None:
-    c = make(safety_margin=1.0, max_retry_after_s=30.0)
-    for i in range(200):
+def test_retry_after_is_the_time_past_the_deadline_with_bounds() -> None:
+    c = make(max_retry_after_s=30.0, max_queued_tokens=10**6)
+    for i in range(100):
         decide(c, f"q{i}", tokens=1000, deadline=1000.0)
-    small = decide(c, "x", tokens=10, deadline=0.15).retry_after_s
-    for i in range(200, 400):
+    d = decide(c, "x", tokens=10, deadline=0.15)
+    assert not d.admitted
+    assert d.retry_after_s == pytest.approx(d.predicted_s - 0.15)
+    for i in range(100, 400):
         decide(c, f"q{i}", tokens=1000, deadline=1000.0)
-    large = decide(c, "y", tokens=10, deadline=0.15).retry_after_s
-    assert 1.0 <= small < large <= 30.0
-    # 200k tokens ahead at ~9.8 k tokens/s: about 20 s
-    assert small == pytest.approx(200_000 * 0.0001 + 196 * 0.010, rel=0.1)
+    assert decide(c, "y", tokens=10, deadline=0.15).retry_after_s == 30.0  # capped
+    assert decide(make(), "z", tokens=1, deadline=-1).retry_after_s == 1.0  # floor
     assert retry_after_header(0.2) == "1" and retry_after_header(2.01) == "3"
-
-
-def test_cost_model_fits_overhead_and_per_token_cost() -> None:
-    m = StepCostModel(0.001, 0.001)
-    for n in (16, 64, 256, 512, 1024, 32, 128):
-        m.observe(n, 0.005 + 0.00002 * n)
-    m.refit()
-    assert m.a == pytest.approx(0.005, rel=1e-6) and m.b == pytest.approx(0.00002, rel=1e-6)
-    assert m.drain_s(2048, 1024) == pytest.approx(2 * 0.005 + 2048 * 0.00002)
-    same = StepCostModel(0.004, 0.0002)
-    for _ in range(8):
-        same.observe(100, 0.048)  # one size only: all per-token (never underestimates growth)
-    same.refit()
-    assert same.step_s(100) == pytest.approx(0.048) and same.step_s(1000) == pytest.approx(0.48)
-
-
-def test_config_refuses_bad_values() -> None:
-    with pytest.raises(ValueError, match="batch_share"):
-        AdmissionConfig(batch_share=0.0)
-    with pytest.raises(ValueError, match="max_queued_requests"):
-        AdmissionConfig(max_queued_requests=0)
-
-
-def test_adaptive_cap_starts_at_half_a_step_grows_on_time_and_halves_when_late() -> None:
-    c = make(adaptive_cap=True, safety_margin=1.0)
-    assert c.cap_tokens == 512
-    # a burst against an idle-looking engine: only half a step's worth is let in at first
-    admitted = [decide(c, f"a{i}", tokens=100, deadline=10.0).admitted for i in range(40)]
-    assert sum(admitted) == 5
-    refused = decide(c, "over", tokens=100, deadline=10.0)
-    assert not refused.admitted and "adaptive limit" in refused.reason
-    for i in range(5):  # all answered on time: the cap grows by their tokens
-        c.release(f"a{i}", now_s=1.0)
-    assert c.cap_tokens == 512 + 5 * 101
-    for i in range(10):  # and again: it doubles per round trip while answers are on time
-        assert decide(c, f"c{i}", tokens=100, deadline=10.0).admitted
-        c.release(f"c{i}", now_s=1.0)
-    grown = 512 + 15 * 101
-    assert c.cap_tokens == grown
-    assert decide(c, "b0", tokens=100, deadline=10.0).admitted
-    c.release("b0", now_s=11.0)  # late: halve
-    assert c.cap_tokens == grown / 2
-    for _ in range(10):  # never below half a step's worth
-        decide(c, "late", tokens=10, deadline=0.5)
-        c.release("late", now_s=5.0)
-    assert c.cap_tokens == 512
-    # a request bigger than the cap is still admitted when nothing is queued ahead of it
-    assert decide(c, "big", tokens=3000, deadline=10.0).admitted
-    assert not decide(c, "next", tokens=10, deadline=10.0).admitted
-
-
-def test_generation_is_judged_at_its_first_token_not_at_the_end() -> None:
-    c = make(adaptive_cap=True, safety_margin=1.0)
-    assert decide(c, "g", tokens=50, out=200, single=False, deadline=0.5).admitted
-    c.progress("g", prefill_done=True, output_tokens_done=1, now_s=0.2)  # first token on time
-    grown = c.cap_tokens
-    assert grown > 512
-    c.release("g", now_s=30.0)  # the whole generation took long: not a deadline miss
-    assert c.cap_tokens == grown
 
 
 def test_saturated_answers_before_tokenizing_and_agrees_with_decide() -> None:
@@ -183,50 +280,23 @@ def test_saturated_answers_before_tokenizing_and_agrees_with_decide() -> None:
     i = 0
     while decide(c, f"r{i}", tokens=200).admitted:
         i += 1
-    # a 200-token request no longer fits, but a one-token one still might
-    d1 = c.saturated(**kw)  # type: ignore[arg-type]
-    if d1 is None:
-        assert decide(c, "one", tokens=1).admitted
-        c.release("one")
     while c.saturated(**kw) is None:  # type: ignore[arg-type]
         assert decide(c, f"s{i}", tokens=1).admitted
         i += 1
     d = c.saturated(**kw)  # type: ignore[arg-type]
-    assert d is not None and not d.admitted and d.retry_after_s >= 1.0 and d.reason
+    assert d is not None and not d.admitted and d.retry_after_s >= 1.0 and d.code == "late"
     before = c.queued_requests
     for tokens in (1, 10, 1000):  # whatever the real size: decide says no too
         assert not decide(c, f"x{tokens}", tokens=tokens).admitted
     assert c.queued_requests == before
 
 
-def test_recent_max_keeps_the_worst_sample_for_one_to_two_windows() -> None:
-    from tailguard.core.admission import RecentMax
-
-    m = RecentMax(window_s=1.0)
-    assert m.value(0.0) == 0.0
-    m.observe(0.05, 0.1)
-    m.observe(0.02, 0.5)
-    assert m.value(0.9) == 0.05
-    assert m.value(1.5) == 0.05  # the previous window still counts
-    m.observe(0.01, 1.6)
-    assert m.value(2.4) == 0.05
-    assert m.value(3.2) == 0.01  # 0.05's window is two windows old: forgotten
-    assert m.value(10.0) == 0.0  # nothing for two windows
-
-
-def test_cost_model_plans_for_the_slowest_recent_step() -> None:
-    m = StepCostModel(0.0, 1e-4)
-    for n in (100, 200, 400, 800) * 20:  # a steady engine: 2 ms + 0.1 ms per token
-        m.observe(n, 0.002 + n * 1e-4)
-    m.refit()
-    assert m.slowdown == pytest.approx(1.0)
-    assert m.drain_s(800, 1024) == pytest.approx(0.082)
-    for _ in range(4):  # the burst starts taking the engine's CPU: steps run 2x slower
-        m.observe(800, 2 * 0.082)
-    m.refit()
-    assert m.slowdown > 1.5  # planned for at once, long before the 256-step fit moves much
-    assert m.drain_s(800, 1024) > 1.5 * 0.082
-    for n in (100, 200, 400, 800) * 4:  # 16 normal steps later it is forgotten
-        m.observe(n, m.a + n * m.b)
-    m.refit()
-    assert m.slowdown < 1.2
+def test_config_refuses_bad_values() -> None:
+    with pytest.raises(ValueError, match="batch_share"):
+        AdmissionConfig(batch_share=0.0)
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        AdmissionConfig(max_queued_requests=0)
+    with pytest.raises(ValueError, match="target_quantile"):
+        AdmissionConfig(target_quantile=1.0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        AdmissionConfig(max_num_batched_tokens=64, max_num_seqs=64)

@@ -1,63 +1,86 @@
-"""Deadline-aware admission: admit a request only if it is predicted to finish inside its deadline.
+"""Goodput-first admission: refuse a request only when it is predicted to miss its deadline.
 
 Pure policy (no HTTP, no torch, no clock of its own: every call takes `now_s`), so tests step it
-by hand. The HTTP server owns one `AdmissionController`; the engine client feeds it step timings.
+by hand. The HTTP server owns one `AdmissionController`; the engine client hands it every engine
+output as it arrives, and the stats pump feeds it step timings.
 
-How a prediction is made
-    The server knows every request it admitted and has not answered yet (the *ledger*): each
-    entry holds the tokens the engine still has to process for it (prompt tokens until the
-    prefill is done, then the remaining output tokens). The engine processes at most
-    `max_num_batched_tokens` tokens per step, and a step costs `a + b * tokens` seconds
-    (a least-squares fit over recent engine steps, `StepCostModel`). For a new request:
+The ledger
+    Every admitted request the engine has not finished is in the ledger: its prompt tokens until
+    the engine reports its prefill done (the first output), then, for a generation, its
+    remaining output tokens and the batch slot it holds. The ledger follows the *engine*, not the
+    client: an output counts the moment the engine client reads it, whether or not the request's
+    handler has consumed it, so a client that stops reading its stream never makes other
+    requests look late. It changes at the instant of each admission, so under a burst of
+    thousands of requests each one sees the ones admitted just before it.
 
-        ahead   = ledger tokens queued ahead of it (interactive work only sees interactive work)
-        start   = time to process `ahead + own prompt` tokens in full steps
-        decode  = own output tokens x one decode step at the current batch size
-        finish  = now + start (+ decode, for single-pass requests there is none)
+The prediction (a fluid model of the scheduler in core/scheduler.py)
+    The engine runs the decodes of the sequences it holds (D of them) every step, then fills the
+    rest of the step's token budget (B) and sequence slots (S) with waiting prompts, interactive
+    ones first. For a new request with P prompt tokens, W waiting prompt tokens ahead of it and
+    G waiting generations ahead of it (which will hold slots of their own):
 
-    It is admitted when `finish <= deadline` (after a safety margin), and when the hard caps on
-    queued requests and tokens allow it. Batch work may use only `batch_share` of the caps so
-    interactive work always finds room.
+        steps  = max(ceil((W + P) / (B - D)),           token budget left after the decodes
+                     slot steps)                         ceil(n / free slots), or, when the
+                                                         slots are all held, the steps until
+                                                         enough decodes finish
+        engine = steps * (a + b * D) + b * (W + P)       + the step running now
+        bound  = calibrated(engine) + front-end delay
 
-Why the ledger and not the engine's own counters: engine stats arrive a few ms late; under a
-burst of 10,000 requests thousands arrive within those few ms, and every one of them would see an
-empty queue. The ledger changes at the instant of each admission.
+    `a + b * tokens` is the step-cost fit (`StepCostModel`). `calibrated` is the measured error
+    of past predictions at the target quantile (`Calibration`: a ratio and an excess, per kind).
+    The front-end delay is what the HTTP process itself adds after the engine answered (its
+    event-loop lag, the time answers took from the engine client to their handler).
 
-Why an adaptive cap on top of the prediction: the prediction is only as good as the step-cost
-model, which learns from steps that already ran. At the start of a burst the machine still
-looks idle, and if the burst itself starves the engine of CPU (the load generator and the HTTP
-process share its cores) every step gets slower than predicted. So admitted work is also capped
-by what the engine has recently *proven* it finishes on time, TCP-style: each answer on time
-grows the cap by its own tokens (doubling per round trip), each late one halves it, never
-below half a step's worth (and a request with nothing queued ahead is never refused by the
-cap). A wrong prediction then costs a few requests, not a burst's worth.
+    It is admitted when `bound <= deadline - now`, and when the hard caps on queued requests and
+    tokens allow it (they bound memory, not time; batch work may fill `batch_share` of them).
+    There is no other limit: a request with a long deadline is admitted whatever is queued, as
+    long as the prediction says it finishes in time.
 
-Retry-After comes from the same model: the time for the work ahead to drain far enough that this
-request would fit, rounded up to whole seconds for the header (RFC 9110 delay-seconds).
+Measuring the error
+    For every admitted request the controller keeps its raw prediction and the instant it was
+    made; the request's deadline event (a single-pass request's answer, a generation's first
+    token, or its expiry in the engine) gives one (predicted, actual) sample. Requests still in
+    flight that are already past their bound are counted too, as censored samples, so the bound
+    widens the moment the engine slows down rather than when the late answers arrive.
+
+`enabled=False` (`--admission off`) admits everything the hard caps allow and gives the engine
+no deadline to drop requests by: the oracle configuration that goodput is measured against.
+
+Retry-After comes from the same model: how much longer than its deadline allows the request
+would take now, which is how long the work ahead needs to drain for it to fit, rounded up to
+whole seconds for the header (RFC 9110 delay-seconds).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 
-from tailguard.core.request import Priority
+from tailguard.core.calibration import Calibration, StepCostModel
+from tailguard.core.request import EngineOutput, FinishReason, Priority
 
 __all__ = [
+    "REFUSAL_CODES",
     "AdmissionConfig",
     "AdmissionController",
     "Decision",
-    "RecentMax",
-    "StepCostModel",
+    "PredictionSample",
     "WorkItem",
     "retry_after_header",
 ]
 
+# Decision.code of a refusal: the label of tailguard_admission_refusals_total{reason}
+REFUSAL_CODES = ("late", "deadline_passed", "queue_requests", "queue_tokens")
+_SCAN_OVERDUE = 64  # oldest in-flight requests checked for censored (overdue) samples
+
 
 @dataclass(frozen=True)
 class AdmissionConfig:
+    enabled: bool = True
+    """False: admit everything the hard caps allow, and the engine drops nothing for its deadline
+    (the oracle configuration; `--admission off`)."""
     max_queued_requests: int = 2048
     """Hard cap on requests admitted and not yet answered."""
     max_queued_tokens: int = 262_144
@@ -68,8 +91,19 @@ class AdmissionConfig:
     """Engine batch capacity (from EngineConfig)."""
     batch_share: float = 0.8
     """Share of the caps batch-priority work may fill; the rest is kept for interactive work."""
-    safety_margin: float = 0.85
-    """Admit only if the predicted finish uses at most this share of the time left to deadline."""
+    target_quantile: float = 0.99
+    """Plan for this quantile of the measured prediction error: the share of admitted requests
+    meant to meet their deadline."""
+    calibration_window: int = 512
+    """Recent answers whose prediction error is kept, per kind (completion, first token)."""
+    calibration_min_samples: int = 32
+    """Answers needed before the measured error replaces the priors."""
+    prior_ratio: float = 1.25
+    """Actual / predicted time assumed until measured."""
+    prior_excess_s: float = 0.010
+    """Actual minus predicted time (fixed delays) assumed until measured (seconds)."""
+    ratio_floor_s: float = 0.010
+    """Only predictions at least this long give ratio samples (shorter ones are fixed delays)."""
     prior_step_overhead_s: float = 0.004
     """Step cost `a` before the engine has reported steps (fixed cost per step)."""
     prior_s_per_token: float = 0.0002
@@ -78,95 +112,51 @@ class AdmissionConfig:
     """Smallest Retry-After advertised (seconds)."""
     max_retry_after_s: float = 60.0
     """Largest Retry-After advertised (seconds)."""
-    adaptive_cap: bool = True
-    """Cap admitted tokens by what recently finished on time (AIMD); see the module docstring."""
 
     def __post_init__(self) -> None:
-        if self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests={self.max_queued_requests}: must be >= 1")
-        if self.max_queued_tokens < 1:
-            raise ValueError(f"max_queued_tokens={self.max_queued_tokens}: must be >= 1")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        if not 0.0 < self.batch_share <= 1.0:
-            raise ValueError(f"batch_share={self.batch_share}: must be in (0, 1]")
-        if not 0.0 < self.safety_margin <= 1.0:
-            raise ValueError(f"safety_margin={self.safety_margin}: must be in (0, 1]")
-        if self.prior_step_overhead_s < 0 or self.prior_s_per_token <= 0:
-            raise ValueError("prior_step_overhead_s must be >= 0 and prior_s_per_token > 0")
-        if not 0.0 < self.min_retry_after_s <= self.max_retry_after_s:
-            raise ValueError(
-                f"min_retry_after_s={self.min_retry_after_s} must be > 0 and <= "
-                f"max_retry_after_s={self.max_retry_after_s}"
-            )
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
 
+        need(self.max_queued_requests >= 1, f"max_queued_requests={self.max_queued_requests}: >= 1")
+        need(self.max_queued_tokens >= 1, f"max_queued_tokens={self.max_queued_tokens}: >= 1")
+        need(
+            self.max_num_batched_tokens > self.max_num_seqs >= 1,
+            f"max_num_batched_tokens={self.max_num_batched_tokens} must exceed "
+            f"max_num_seqs={self.max_num_seqs} (>= 1): a step decodes every held sequence",
+        )
+        need(0.0 < self.batch_share <= 1.0, f"batch_share={self.batch_share}: in (0, 1]")
+        need(
+            0.5 <= self.target_quantile < 1.0,
+            f"target_quantile={self.target_quantile}: in [0.5, 1), e.g. 0.99",
+        )
+        need(
+            self.calibration_window >= self.calibration_min_samples >= 1,
+            f"calibration_window={self.calibration_window} must be >= "
+            f"calibration_min_samples={self.calibration_min_samples} >= 1",
+        )
+        need(self.prior_ratio >= 1.0, f"prior_ratio={self.prior_ratio}: >= 1")
+        need(self.prior_excess_s >= 0, f"prior_excess_s={self.prior_excess_s}: >= 0")
+        need(self.ratio_floor_s > 0, f"ratio_floor_s={self.ratio_floor_s}: > 0")
+        need(
+            self.prior_step_overhead_s >= 0 and self.prior_s_per_token > 0,
+            "prior_step_overhead_s must be >= 0 and prior_s_per_token > 0",
+        )
+        need(
+            0.0 < self.min_retry_after_s <= self.max_retry_after_s,
+            f"min_retry_after_s={self.min_retry_after_s} must be > 0 and <= "
+            f"max_retry_after_s={self.max_retry_after_s}",
+        )
 
-_SLOWDOWN_STEPS = 16  # recent steps that set StepCostModel.slowdown
-
-
-class StepCostModel:
-    """step_s ~= a + b * num_tokens, fitted by least squares over the last `window` steps.
-
-    A linear fit rather than a tokens/s average because a step has a fixed cost (launch, python,
-    sampling) that a small batch pays in full: a tokens/s figure measured at batch 1 would
-    underestimate a full batch's throughput several times over.
-    """
-
-    def __init__(self, prior_a: float, prior_b: float, window: int = 256) -> None:
-        self.a = prior_a
-        self.b = prior_b
-        self._prior = (prior_a, prior_b)
-        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
-        self.slowdown = 1.0  # the slowest recent step relative to the fit (>= 1)
-        self._dirty = False
-
-    def observe(self, num_tokens: int, step_s: float) -> None:
-        if num_tokens > 0 and step_s > 0:
-            self._steps.append((num_tokens, step_s))
-            self._dirty = True
-
-    def refit(self) -> None:
-        """Recompute (a, b); cheap (window-sized), call after a batch of observations."""
-        if not self._dirty:
-            return
-        self._dirty = False
-        n = len(self._steps)
-        if n < 4:
-            return
-        sx = sum(x for x, _ in self._steps)
-        sy = sum(y for _, y in self._steps)
-        sxx = sum(x * x for x, _ in self._steps)
-        sxy = sum(x * y for x, y in self._steps)
-        den = n * sxx - sx * sx
-        if den <= 1e-9 * max(1.0, sxx):
-            # All steps had the same size, so overhead and per-token cost cannot be told apart.
-            # Charge it all per token: that overestimates bigger batches (admits too few) rather
-            # than underestimating them (admits requests that then miss the deadline).
-            self.a, self.b = 0.0, sy / sx
-            self._update_slowdown()
-            return
-        b = (n * sxy - sx * sy) / den
-        a = (sy - b * sx) / n
-        if b <= 0:  # noise: fall back to a pure per-token cost through the mean
-            b, a = sy / sx, 0.0
-        self.a, self.b = max(a, 0.0), b
-        self._update_slowdown()
-
-    def _update_slowdown(self) -> None:
-        recent = islice(reversed(self._steps), _SLOWDOWN_STEPS)
-        self.slowdown = max(1.0, max(y / self.step_s(x) for x, y in recent))
-
-    def step_s(self, num_tokens: int) -> float:
-        return self.a + self.b * num_tokens
-
-    def drain_s(self, tokens: int, budget: int) -> float:
-        """Time to process `tokens` in steps of at most `budget` tokens, planned for the
-        slowest of the recent steps relative to the fit (`slowdown`): the fit averages over
-        256 steps, and when other processes start taking the engine's CPU the steps get slower
-        at once, long before the average moves."""
-        if tokens <= 0:
-            return 0.0
-        return (math.ceil(tokens / budget) * self.a + tokens * self.b) * self.slowdown
+    def calibration(self) -> Calibration:
+        return Calibration(
+            quantile=self.target_quantile,
+            window=self.calibration_window,
+            min_samples=self.calibration_min_samples,
+            prior_ratio=self.prior_ratio,
+            prior_excess_s=self.prior_excess_s,
+            floor_s=self.ratio_floor_s,
+        )
 
 
 @dataclass(slots=True)
@@ -176,124 +166,203 @@ class WorkItem:
     priority: Priority
     prompt_tokens: int  # still to prefill (0 once the first output arrived)
     output_tokens: int  # still to generate
-    deadline_s: float = math.inf  # monotonic: finish (single pass) / first token (generate)
-    single_pass: bool = True
-    judged: bool = False  # on-time verdict already fed to the adaptive cap
-
-    @property
-    def tokens(self) -> int:
-        return self.prompt_tokens + self.output_tokens
+    deadline_s: float  # monotonic: finish (single pass) / first token (generate)
+    single_pass: bool
+    decided_s: float  # monotonic: when it was admitted (the prediction's origin)
+    engine_s: float  # the raw (uncalibrated) prediction of its deadline event, from decided_s
 
 
 @dataclass(slots=True)  # not frozen: a frozen init costs ~1 us, on every request
 class Decision:
     admitted: bool
-    predicted_s: float  # predicted time from now to finish (single-pass) / first token (generate)
+    predicted_s: float  # planned time from now to finish (single-pass) / first token (generate)
     engine_deadline_s: float  # monotonic: the engine must start it by then, else drop it (504)
-    retry_after_s: float  # when rejected: seconds until it would likely fit
-    reason: str  # "" when admitted; else why (for the error message)
+    retry_after_s: float  # when refused: seconds until it would likely fit
+    reason: str  # "" when admitted; else why, in words (for the error message)
+    code: str = ""  # "" when admitted; else one of REFUSAL_CODES (metric label)
+
+
+@dataclass(frozen=True, slots=True)
+class PredictionSample:
+    """One request's deadline event: how long it took against what was predicted."""
+
+    single_pass: bool
+    predicted_s: float  # the calibrated bound admission planned for (front-end delay excluded)
+    engine_s: float  # the raw prediction
+    actual_s: float  # decision -> the engine client read the answer / first token
 
 
 @dataclass(slots=True)
-class _Totals:
+class _Waiting:
     requests: int = 0
-    tokens: int = 0
+    tokens: int = 0  # prompt tokens still to prefill
+    generations: int = 0  # waiting generations: each will hold a batch slot after its prefill
 
 
 @dataclass
 class AdmissionController:
-    """The ledger of admitted work plus the admit/reject decision."""
+    """The ledger of admitted work plus the admit/refuse decision."""
 
     config: AdmissionConfig
     cost: StepCostModel = field(init=False)
-    _items: dict[str, WorkItem] = field(default_factory=dict, init=False)
-    _all: _Totals = field(default_factory=_Totals, init=False)
-    _interactive: _Totals = field(default_factory=_Totals, init=False)
     frontend_delay_s: float = field(default=0.0, init=False)
-    """Recent delay the HTTP process itself adds to an answer (event-loop lag, and the time
-    answers took from the engine to their handler), set by the server: under a burst the loop
-    is busy parsing and rejecting, and an admitted answer waits for it too."""
-
-    cap_tokens: float = field(default=0.0, init=False)
-    """Adaptive cap on admitted tokens (AIMD on on-time answers); inf when disabled."""
+    """Recent delay the HTTP process itself adds after the engine client has read an answer
+    (event-loop lag, the time answers took to reach their handler); set by the server."""
 
     def __post_init__(self) -> None:
-        self.cost = StepCostModel(self.config.prior_step_overhead_s, self.config.prior_s_per_token)
-        self.cap_tokens = self._min_cap if self.config.adaptive_cap else math.inf
-
-    @property
-    def _min_cap(self) -> float:
-        return self.config.max_num_batched_tokens / 2
-
-    def _judge(self, item: WorkItem, now_s: float | None) -> None:
-        """Feed one on-time / late verdict to the adaptive cap."""
-        if item.judged or now_s is None or not self.config.adaptive_cap:
-            return
-        item.judged = True
-        if now_s <= item.deadline_s:
-            grown = self.cap_tokens + item.prompt_tokens + item.output_tokens + 1
-            self.cap_tokens = min(grown, float(self.config.max_queued_tokens))
-        else:
-            self.cap_tokens = max(self._min_cap, self.cap_tokens / 2)
+        cfg = self.config
+        self.cost = StepCostModel(cfg.prior_step_overhead_s, cfg.prior_s_per_token)
+        self.calibration = {True: cfg.calibration(), False: cfg.calibration()}  # by single_pass
+        self._items: dict[str, WorkItem] = {}
+        self._pending: dict[str, WorkItem] = {}  # deadline event not seen yet, oldest first
+        self._decoding: dict[str, WorkItem] = {}  # generations past their prefill
+        self._waiting_all = _Waiting()
+        self._waiting_interactive = _Waiting()
+        self._queued_tokens = 0  # prompt + remaining output over the whole ledger
+        self._step_start_s = 0.0  # monotonic: when the engine's current step began (estimated)
 
     # ---- ledger -------------------------------------------------------------------------------
     @property
     def queued_requests(self) -> int:
-        return self._all.requests
+        return len(self._items)
 
     @property
     def queued_tokens(self) -> int:
-        return self._all.tokens
+        return self._queued_tokens
 
-    def _add(self, item: WorkItem, sign: int) -> None:
-        tokens = sign * (item.prompt_tokens + item.output_tokens)
-        t = self._all
-        t.requests += sign
-        t.tokens += tokens
-        if item.priority == Priority.INTERACTIVE:
-            t = self._interactive
-            t.requests += sign
-            t.tokens += tokens
+    @property
+    def decoding(self) -> int:
+        return len(self._decoding)
 
-    def progress(
-        self,
-        request_id: str,
-        *,
-        prefill_done: bool,
-        output_tokens_done: int,
-        now_s: float | None = None,
-    ) -> None:
-        """The engine reported progress: shrink the request's remaining work. A generation's
-        first output is its deadline event: judge it then."""
-        item = self._items.get(request_id)
+    def _waiting(self, item: WorkItem, sign: int) -> None:
+        gen = 0 if item.single_pass else sign
+        for w in (
+            (self._waiting_all, self._waiting_interactive)
+            if item.priority == Priority.INTERACTIVE
+            else (self._waiting_all,)
+        ):
+            w.requests += sign
+            w.tokens += sign * item.prompt_tokens
+            w.generations += gen
+
+    def step_ended(self, t_s: float) -> None:
+        """The engine reported a step that ended at `t_s` (monotonic): the next one began then."""
+        self._step_start_s = max(self._step_start_s, t_s)
+
+    def _enter(self, rid: str, item: WorkItem) -> None:
+        if not self._items:  # an idle engine starts a step for this one now
+            self._step_start_s = max(self._step_start_s, item.decided_s)
+        self._items[rid] = item
+        self._pending[rid] = item
+        self._waiting(item, +1)
+        self._queued_tokens += item.prompt_tokens + item.output_tokens
+
+    def release(self, request_id: str) -> None:
+        """The request left the server (answered, failed, client gone): drop it from the ledger.
+        Idempotent; the engine client's outputs usually release it first."""
+        item = self._items.pop(request_id, None)
         if item is None:
             return
-        if prefill_done and not item.single_pass:
-            self._judge(item, now_s)
-        self._add(item, -1)
-        if prefill_done:
-            item.prompt_tokens = 0
-        item.output_tokens = max(0, item.output_tokens - output_tokens_done)
-        self._add(item, +1)
+        self._pending.pop(request_id, None)
+        if self._decoding.pop(request_id, None) is None:
+            self._waiting(item, -1)
+        self._queued_tokens -= item.prompt_tokens + item.output_tokens
 
-    def release(self, request_id: str, now_s: float | None = None) -> None:
-        """The request was answered (any outcome): remove it from the ledger. With `now_s`, an
-        unjudged request is judged on time or late (a 504 or an error past the deadline is late)."""
-        item = self._items.pop(request_id, None)
-        if item is not None:
-            self._judge(item, now_s)
-            self._add(item, -1)
+    def observe_output(self, out: EngineOutput, now_s: float) -> PredictionSample | None:
+        """The engine client read one engine output: move the request along the ledger. Returns
+        the prediction sample when this output is the request's deadline event."""
+        rid = out.request_id
+        item = self._items.get(rid)
+        if item is None:
+            return None
+        sample = None
+        if rid in self._pending and (out.finished or out.new_token_ids):
+            del self._pending[rid]
+            if out.finish_reason not in (FinishReason.ABORTED, FinishReason.ERROR):
+                sample = self._sample(item, now_s - item.decided_s)
+        if out.finished:
+            self.release(rid)
+            return sample
+        if rid not in self._decoding:  # the first output: its prefill is done
+            self._waiting(item, -1)
+            self._queued_tokens -= item.prompt_tokens
+            item.prompt_tokens = 0
+            self._decoding[rid] = item
+        done = min(len(out.new_token_ids), item.output_tokens)
+        item.output_tokens -= done
+        self._queued_tokens -= done
+        return sample
+
+    def _sample(self, item: WorkItem, actual_s: float) -> PredictionSample:
+        cal = self.calibration[item.single_pass]
+        predicted = cal.bound(item.engine_s)
+        cal.observe(item.engine_s, actual_s)
+        return PredictionSample(item.single_pass, predicted, item.engine_s, actual_s)
+
+    def refresh(self, now_s: float) -> None:
+        """Recompute the calibration (call every few ms): measured quantiles, plus censored
+        samples from the oldest requests in flight that are already past their bound."""
+        live_ratio = {True: 0.0, False: 0.0}
+        live_excess = {True: 0.0, False: 0.0}
+        for item in islice(self._pending.values(), _SCAN_OVERDUE):
+            cal = self.calibration[item.single_pass]
+            elapsed = now_s - item.decided_s
+            if not cal.overdue(item.engine_s, elapsed):
+                continue
+            kind = item.single_pass
+            live_excess[kind] = max(live_excess[kind], elapsed - item.engine_s)
+            if item.engine_s >= cal.floor_s:
+                live_ratio[kind] = max(live_ratio[kind], elapsed / item.engine_s)
+        for kind, cal in self.calibration.items():
+            cal.refresh()
+            cal.live_ratio = live_ratio[kind]
+            cal.live_excess_s = live_excess[kind]
+
+    # ---- prediction ---------------------------------------------------------------------------
+    def engine_s(self, prompt_tokens: int, *, interactive: bool, now_s: float) -> float:
+        """Raw prediction: seconds from `now_s` until the engine has prefilled `prompt_tokens`
+        more (a single-pass request's answer, a generation's first token). See the module
+        docstring."""
+        cfg = self.config
+        budget, slots = cfg.max_num_batched_tokens, cfg.max_num_seqs
+        ahead = self._waiting_interactive if interactive else self._waiting_all
+        held = min(len(self._decoding), slots)
+        tokens = ahead.tokens + prompt_tokens
+        steps = math.ceil(tokens / (budget - held))
+        free = (
+            slots - held - ahead.generations
+        )  # slots left once the waiting generations hold theirs
+        if free >= 1:
+            steps = max(steps, math.ceil((ahead.requests - ahead.generations + 1) / free))
+        else:
+            steps = max(steps, self._steps_until_freed(1 - free) + 1)
+        a, b = self.cost.a, self.cost.b
+        t = steps * (a + b * held) + b * tokens
+        if self._items:  # a step is running: ours starts after what is left of it
+            running = a + b * min(budget, held + self._waiting_all.tokens)
+            t += max(running - (now_s - self._step_start_s), 0.0)
+        return t
+
+    def _steps_until_freed(self, k: int) -> int:
+        """Decode steps until `k` held batch slots are freed (by remaining output tokens; a
+        stop string or EOS may free them sooner). Beyond the held sequences, the waiting
+        generations must run through their outputs too: counted as if they shared the batch."""
+        remaining = [it.output_tokens for it in self._decoding.values()]
+        if k <= len(remaining):
+            return heapq.nsmallest(k, remaining)[-1]
+        waiting_out = sum(it.output_tokens for it in self._pending.values() if not it.single_pass)
+        rounds = (waiting_out + sum(remaining)) / self.config.max_num_seqs
+        return max(remaining, default=0) + math.ceil(rounds)
 
     # ---- decision -----------------------------------------------------------------------------
     def saturated(
         self, *, now_s: float, deadline_s: float, priority: Priority, single_pass: bool
     ) -> Decision | None:
-        """The rejection a one-token request would get now, or None if one could still fit.
+        """The refusal a one-token request would get now, or None if one could still fit.
 
-        Every request has at least one token and `decide` is monotonic in the request's size,
-        so when this says no, `decide` would too: the server asks it before tokenizing, so that
-        the thousands of requests a burst brings beyond capacity are turned away without paying
-        for their tokenization. Commits nothing.
+        `decide` is monotonic in the request's size, so when this says no, `decide` would too:
+        the server asks it before tokenizing, so that the thousands of requests a burst brings
+        beyond capacity are turned away without paying for their tokenization. Commits nothing.
         """
         d = self.decide(
             "",
@@ -319,97 +388,72 @@ class AdmissionController:
         single_pass: bool,
         commit: bool = True,
     ) -> Decision:
-        """Admit (and enter into the ledger, unless `commit` is False) or reject one request.
+        """Admit (and enter into the ledger, unless `commit` is False) or refuse one request.
 
         For a single-pass request (score, embed) the deadline bounds completion; for a generation
         it bounds the first token (queue + prefill), and later tokens are paced by decode steps.
         """
         cfg = self.config
         interactive = priority == Priority.INTERACTIVE
-        share = 1.0 if interactive else cfg.batch_share
-        ahead = self._interactive.tokens if interactive else self._all.tokens
-        own = prompt_tokens + (0 if single_pass else 1)
-        start_s = self.cost.drain_s(ahead + own, cfg.max_num_batched_tokens)
-        if ahead:
-            # A request cannot join a step already running: one more step boundary.
-            start_s += self.cost.a
-        predicted = start_s + self.frontend_delay_s
-        budget_s = (deadline_s - now_s) * cfg.safety_margin
+        engine = self.engine_s(prompt_tokens, interactive=interactive, now_s=now_s)
+        predicted = self.calibration[single_pass].bound(engine) + self.frontend_delay_s
+        left = deadline_s - now_s
+        refusal = self._refusal(
+            interactive, prompt_tokens + output_tokens, predicted, left, single_pass
+        )
+        if refusal is not None:
+            code, reason = refusal
+            return Decision(False, predicted, 0.0, self._retry_after(predicted, left), reason, code)
+        if commit:
+            item = WorkItem(
+                priority, prompt_tokens, output_tokens, deadline_s, single_pass, now_s, engine
+            )
+            self._enter(request_id, item)
+        if not cfg.enabled:
+            return Decision(True, predicted, math.inf, 0.0, "")
+        # The engine drops it unstarted past this instant: a single-pass request that starts
+        # later than deadline - its own compute could not finish in time anyway.
+        own = self.cost.step_s(prompt_tokens) if single_pass else 0.0
+        return Decision(True, predicted, deadline_s - own, 0.0, "")
 
-        reason = ""
-        if self._all.requests + 1 > cfg.max_queued_requests * share:
-            reason = (
-                f"{self._all.requests} requests already queued (cap "
+    def _refusal(
+        self, interactive: bool, tokens: int, predicted: float, left: float, single_pass: bool
+    ) -> tuple[str, str] | None:
+        """(code, reason) when the request must be refused, else None."""
+        cfg = self.config
+        share = 1.0 if interactive else cfg.batch_share
+        if len(self._items) + 1 > cfg.max_queued_requests * share:
+            return "queue_requests", (
+                f"{len(self._items)} requests already queued (cap "
                 f"{int(cfg.max_queued_requests * share)} for this priority)"
             )
-        elif self._all.tokens + prompt_tokens + output_tokens > cfg.max_queued_tokens * share:
-            reason = (
-                f"{self._all.tokens} tokens already queued (cap "
+        if self._queued_tokens + tokens > cfg.max_queued_tokens * share:
+            return "queue_tokens", (
+                f"{self._queued_tokens} tokens already queued (cap "
                 f"{int(cfg.max_queued_tokens * share)} for this priority)"
             )
-        elif ahead and ahead + own > self.cap_tokens:  # alone, anything may try
-            reason = (
-                f"{ahead} tokens queued ahead; the engine recently finished only "
-                f"{self.cap_tokens:.0f} tokens of admitted work on time (adaptive limit)"
+        if not cfg.enabled:
+            return None
+        event = "finish" if single_pass else "first token"
+        if left <= 0:
+            return "deadline_passed", (
+                f"its deadline passed {-left * 1e3:.0f} ms ago, before it could be admitted "
+                "(it waited in the server's intake)"
             )
-        elif predicted > budget_s:
-            reason = (
-                f"predicted {predicted * 1e3:.0f} ms to "
-                f"{'finish' if single_pass else 'first token'} with {ahead} tokens queued ahead; "
-                f"the deadline leaves {max(deadline_s - now_s, 0.0) * 1e3:.0f} ms"
+        if predicted > left:
+            ahead = self._waiting_interactive if interactive else self._waiting_all
+            return "late", (
+                f"predicted {predicted * 1e3:.0f} ms to {event} ({ahead.tokens} prompt tokens "
+                f"queued ahead, {len(self._decoding)} sequences decoding); the deadline leaves "
+                f"{left * 1e3:.0f} ms"
             )
-        if reason:
-            return Decision(False, predicted, 0.0, self._retry_after(ahead, own, budget_s), reason)
+        return None
 
-        if commit:
-            item = WorkItem(priority, prompt_tokens, output_tokens, deadline_s, single_pass)
-            self._items[request_id] = item
-            self._add(item, +1)
-        # The engine drops it unstarted past this instant; a single-pass request that starts
-        # later than deadline - own compute could not finish in time anyway.
-        own_s = self.cost.drain_s(own, cfg.max_num_batched_tokens) if single_pass else 0.0
-        return Decision(True, predicted, deadline_s - own_s, 0.0, "")
-
-    def _retry_after(self, ahead: int, own: int, budget_s: float) -> float:
-        """Seconds until enough of the work ahead has drained for this request to fit."""
+    def _retry_after(self, predicted: float, left: float) -> float:
+        """Seconds until the work ahead has drained enough for this request to fit."""
         cfg = self.config
-        fits_tokens = 0
-        if budget_s > 0:  # tokens that can be processed inside the budget
-            steps = max(1.0, budget_s / max(self.cost.step_s(cfg.max_num_batched_tokens), 1e-6))
-            fits_tokens = int(steps * cfg.max_num_batched_tokens)
-        excess = max(ahead + own - fits_tokens, 0)
-        wait = self.cost.drain_s(excess, cfg.max_num_batched_tokens)
+        wait = predicted - max(left, 0.0)
         return min(max(wait, cfg.min_retry_after_s), cfg.max_retry_after_s)
-
-
-class RecentMax:
-    """The largest sample of the last one to two windows (a max that forgets in 2 windows).
-
-    For delays that admission must plan for: a p50 or an average would admit requests that
-    then wait through the slow moments the average hides.
-    """
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        self._cur = 0.0
-        self._prev = 0.0
-        self._start = -math.inf
-
-    def _roll(self, now_s: float) -> None:
-        age = now_s - self._start
-        if age >= self.window_s:
-            self._prev = self._cur if age < 2 * self.window_s else 0.0
-            self._cur = 0.0
-            self._start = now_s
-
-    def observe(self, value: float, now_s: float) -> None:
-        self._roll(now_s)
-        if value > self._cur:
-            self._cur = value
-
-    def value(self, now_s: float) -> float:
-        self._roll(now_s)
-        return max(self._cur, self._prev)
 
 
 def retry_after_header(retry_after_s: float) -> str:

@@ -5,7 +5,7 @@ front-end benchmarks and server tests (`tailguard.server.stub.StubEngineClient`)
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from tailguard.core.request import EngineOutput, EngineRequest
@@ -13,6 +13,11 @@ from tailguard.core.stats import EngineStats
 
 
 class EngineClientProtocol(Protocol):
+    on_output: Callable[[EngineOutput], None] | None
+    """Called with every engine output the moment the client reads it, before any handler sees
+    it, with `received_s` set: the admission ledger follows the engine through it, so a handler
+    that is slow to consume its outputs (a client that stops reading) changes nothing there."""
+
     async def start(self) -> None:
         """Start the engine (process) and return once it is warmed up and ready."""
 

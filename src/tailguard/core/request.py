@@ -74,3 +74,4 @@ class EngineOutput(msgspec.Struct):
     queue_s: float = 0.0  # arrival -> first scheduled (set on the first output)
     compute_s: float = 0.0  # first scheduled -> this output
     first_token_s: float | None = None  # monotonic time the first new token was produced
+    received_s: float = 0.0  # monotonic: when the HTTP process read it (set by the engine client)

@@ -18,8 +18,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import zmq
@@ -72,6 +73,7 @@ class EngineClient:
         self.max_model_len = 0
         self.num_kv_blocks = 0
         self.last_error: str | None = None
+        self.on_output: Callable[[EngineOutput], None] | None = None
 
     # ---- protocol properties ---------------------------------------------------------------
     @property
@@ -201,7 +203,12 @@ class EngineClient:
 
     def _dispatch(self, msg: FromEngine) -> None:
         if isinstance(msg, UpdateMsg):
+            now = time.monotonic()
+            listener = self.on_output
             for out in msg.outputs:
+                out.received_s = now
+                if listener is not None:  # the admission ledger: before any handler runs
+                    listener(out)
                 w = self._waiters.pop(out.request_id, None) if out.finished else None
                 if w is not None:
                     if not w.done():

@@ -24,8 +24,10 @@ from typing import Any, Protocol
 
 import orjson
 
-from tailguard.core.admission import AdmissionController, RecentMax
+from tailguard.core.admission import AdmissionController
+from tailguard.core.calibration import RecentMax
 from tailguard.core.engine_api import EngineClientProtocol
+from tailguard.core.request import EngineOutput
 from tailguard.errors import (
     EngineUnavailableError,
     MethodNotAllowedError,
@@ -169,8 +171,9 @@ class App:
         self.metrics = metrics or ServerMetrics(
             config.sla_ms / 1e3, config.engine_config.max_num_seqs
         )
-        self.admission = AdmissionController(config.admission())
-        self.delivery = RecentMax(window_s=0.25)  # engine finished -> handler resumed (s)
+        self.admission = AdmissionController(config.admission_config())
+        self.delivery = RecentMax(window_s=0.25)  # engine client read it -> handler resumed (s)
+        engine.on_output = self._on_engine_output
         self.cache = ResponseCache(config.cache_max_entries, config.cache_max_bytes)
         self.quota = _Quota(config.client_quota_rps, config.client_quota_burst)
         self._api_key = config.api_key.encode() if config.api_key else None
@@ -229,15 +232,23 @@ class App:
             log.exception("engine failed to start; /ready stays 503")
             self._engine_started = True  # close() still releases what start() acquired
 
-    async def _pump_stats(self) -> None:
-        """Feed engine step timings to admission and the metrics (every 5 ms).
+    def _on_engine_output(self, out: EngineOutput) -> None:
+        """Every engine output, the moment the engine client reads it: the admission ledger
+        follows the engine, and each deadline event is one prediction-error sample."""
+        sample = self.admission.observe_output(out, out.received_s or time.monotonic())
+        if sample is not None:
+            self.metrics.prediction(sample.single_pass, sample.actual_s, sample.predicted_s)
 
-        Admission's figure for the front end's share of an answer's latency is the larger of
-        (1) the moving average of the pump's own lateness (the event-loop lag right now; an
-        average, so one GC pause does not turn every request away) and (2) the largest time a
-        recent answer took from the engine to its handler (`delivery`, measured on the answers
-        themselves, forgotten within 0.5 s): under a burst the loop is busy with the flood, and
-        that is the delay an admitted answer actually waits.
+    async def _pump_stats(self) -> None:
+        """Feed engine step timings to admission and the metrics, and refresh admission's
+        calibration (every 5 ms).
+
+        Admission's figure for the front end's share of an answer's latency (after the engine
+        client read it) is the larger of (1) the moving average of the pump's own lateness (the
+        event-loop lag right now; an average, so one GC pause does not turn every request away)
+        and (2) the largest time a recent answer took from the engine client to its handler
+        (`delivery`, measured on the answers themselves, forgotten within 0.5 s): under a burst
+        the loop is busy with the flood, and that is the delay an admitted answer waits.
         """
         period = 0.005
         lag_avg = 0.0
@@ -255,7 +266,9 @@ class App:
                 )
                 for step in new:
                     self.admission.cost.observe(step.num_tokens, step.step_s)
+                    self.admission.step_ended(step.t_s)
                 self.admission.cost.refit()
+                self.admission.refresh(time.monotonic())
                 self.metrics.in_flight.set(self.admission.queued_requests)
             except Exception as exc:  # a bad snapshot must not stop the pump; say so once
                 if type(exc) not in logged:
@@ -363,6 +376,8 @@ class App:
         call.respond_json({"status": "ready", "restarts": self.engine.restarts})
 
     async def _metrics(self, call: Call) -> None:
+        for single_pass, cal in self.admission.calibration.items():
+            self.metrics.calibration_now(single_pass, cal)
         call.respond(200, self.metrics.render(), [(b"content-type", CONTENT_TYPE.encode())])
 
     async def _models(self, call: Call) -> None:

@@ -74,11 +74,13 @@ class ServerConfig:
     batch_share: float = 0.8
     """Share of the queue caps batch-priority requests may use; the rest is kept for
     interactive requests."""
-    admission_safety_margin: float = 0.85
-    """Admit only when the predicted time uses at most this share of the time to deadline."""
-    admission_adaptive_cap: bool = True
-    """Also cap admitted tokens by what recently finished on time (grows per on-time answer,
-    halves per late one, never below half an engine step's worth)."""
+    admission: str = "on"
+    """on: refuse (fast 503 + Retry-After) a request predicted to miss its deadline; off: admit
+    everything the queue caps allow and let the engine run it however late (the oracle
+    configuration goodput is measured against)."""
+    admission_quantile: float = 0.99
+    """Admission plans for this quantile of its measured prediction error: the share of admitted
+    requests meant to meet their deadline (0.5 to 0.999)."""
     cache_max_entries: int = 10_000
     """Degradation cache: most responses kept (0 disables the cache)."""
     cache_max_bytes: int = 64 * 1024 * 1024
@@ -167,12 +169,16 @@ class ServerConfig:
             self.log_level in ("debug", "info", "warning", "error"),
             f"log_level={self.log_level!r}: use debug, info, warning or error",
         )
+        need(
+            self.admission in ("on", "off"),
+            f"admission={self.admission!r}: use on or off",
+        )
         try:
-            self.admission()
+            self.admission_config()
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    def admission(self) -> AdmissionConfig:
+    def admission_config(self) -> AdmissionConfig:
         e = self.engine_config
         return AdmissionConfig(
             max_queued_requests=self.max_queued_requests,
@@ -180,8 +186,8 @@ class ServerConfig:
             max_num_batched_tokens=e.max_num_batched_tokens,
             max_num_seqs=e.max_num_seqs,
             batch_share=self.batch_share,
-            safety_margin=self.admission_safety_margin,
-            adaptive_cap=self.admission_adaptive_cap,
+            enabled=self.admission == "on",
+            target_quantile=self.admission_quantile,
         )
 
     @property

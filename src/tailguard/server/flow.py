@@ -160,13 +160,15 @@ class Admitted:
         self._released = False
 
     def release(self) -> None:
-        """Leave the ledger (idempotent): the answer is in, or the request failed."""
+        """Leave the ledger (idempotent): the answer is in, or the request failed. The engine
+        client's outputs usually moved it out already (the ledger follows the engine)."""
         if not self._released:
             self._released = True
-            self._admission.release(self.request.request_id, time.monotonic())
+            self._admission.release(self.request.request_id)
 
 
-def _overloaded(d: Decision) -> OverloadedError:
+def _overloaded(app: App, d: Decision, single_pass: bool) -> OverloadedError:
+    app.metrics.admission_refused(d.code, single_pass)
     return OverloadedError(
         f"server overloaded: {d.reason}; retry after {d.retry_after_s:.1f} s",
         retry_after_s=d.retry_after_s,
@@ -194,7 +196,7 @@ def shed(
         return False
     if served_from_cache(app, call, key(), "overload"):
         return True
-    raise _overloaded(d)
+    raise _overloaded(app, d, single_pass)
 
 
 def could_exceed_context(app: App, text: str) -> bool:
@@ -228,7 +230,7 @@ def admit(
         single_pass=kind != RequestKind.GENERATE,
     )
     if not d.admitted:
-        raise _overloaded(d)
+        raise _overloaded(app, d, kind != RequestKind.GENERATE)
     req = EngineRequest(
         request_id=rid,
         prompt_token_ids=ids,
@@ -266,12 +268,6 @@ async def outputs(app: App, call: Call, adm: Admitted) -> AsyncGenerator[EngineO
     agen = app.engine.submit(adm.request)
     try:
         async for out in agen:
-            app.admission.progress(
-                adm.request.request_id,
-                prefill_done=True,
-                output_tokens_done=len(out.new_token_ids),
-                now_s=time.monotonic(),
-            )
             if out.finish_reason is not None and out.finish_reason not in (
                 FinishReason.STOP,
                 FinishReason.LENGTH,
@@ -297,10 +293,12 @@ async def single(app: App, call: Call, adm: Admitted) -> EngineOutput:
     if out.finish_reason != FinishReason.DONE:
         raise_for(out)
     app.metrics.queue_for(adm.request.priority).observe(out.queue_s)
-    # How long the answer took to get from the engine to this handler: under a burst the
-    # event loop is busy with the flood, and admission must count this delay too.
+    # How long the answer took from the engine client to this handler: under a burst the event
+    # loop is busy with the flood, and admission must count this delay too (the calibrated
+    # prediction covers the time until the engine client read the answer).
     now = time.monotonic()
-    app.delivery.observe(now - (adm.request.arrival_s + out.queue_s + out.compute_s), now)
+    if out.received_s:
+        app.delivery.observe(now - out.received_s, now)
     return out
 
 

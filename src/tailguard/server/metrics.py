@@ -27,6 +27,8 @@ _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _CONN_BUCKETS = (1, 2, 5, 10, 100, 1000, 10_000, 100_000)
+# actual / planned time of admitted requests: > 1 means admission was optimistic (late risk)
+_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 
 class HotHistogram:
@@ -128,6 +130,29 @@ class ServerMetrics:
         self.rejections = Counter(
             "tailguard_rejections", "Requests refused", ["reason"], registry=r
         )
+        self.refusals = Counter(
+            "tailguard_admission_refusals",
+            "Requests admission refused, by why (late, deadline_passed, queue_requests, "
+            "queue_tokens) and kind (single_pass: deadline on the answer; generate: on the "
+            "first token)",
+            ["reason", "kind"],
+            registry=r,
+        )
+        self.prediction_ratio = Histogram(
+            "tailguard_admission_prediction_ratio",
+            "Admitted requests: actual time to the deadline event / the time admission planned "
+            "for (the calibrated bound)",
+            ["kind"],
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.calibration = Gauge(
+            "tailguard_admission_calibration",
+            "Admission's measured prediction error at its target quantile: ratio (actual / "
+            "predicted) and excess_seconds (actual - predicted), live: from requests in flight",
+            ["kind", "term"],
+            registry=r,
+        )
         self.cache_hits = Counter(
             "tailguard_cache_hits", "Answered from the degradation cache", ["reason"], registry=r
         )
@@ -214,6 +239,12 @@ class ServerMetrics:
         self.max_num_seqs.set(max_num_seqs)
         self.threads.labels("server").set(1)
         self._answers: dict[tuple[str, str], HotHistogram] = {}
+        self._ratios = {
+            kind: HotHistogram(self.prediction_ratio.labels(kind))
+            for kind in ("single_pass", "generate")
+        }
+        self._hot.extend(self._ratios.values())
+        self._refused: dict[tuple[str, str], int] = {}
         self._rejections: dict[str, HotHistogram] = {}
         self._per_conn = HotHistogram(self.req_per_conn)
         self._hot.append(self._per_conn)
@@ -256,6 +287,9 @@ class ServerMetrics:
         """Move the request path's counts into prometheus_client (runs before every collection)."""
         for h in self._hot:
             h.flush()
+        refused, self._refused = self._refused, {}
+        for (code, kind), n in refused.items():
+            self.refusals.labels(code, kind).inc(n)
         opened, self._conn_opened = self._conn_opened, 0
         if opened:
             self.conn_opened.inc(opened)
@@ -270,6 +304,25 @@ class ServerMetrics:
             self._rejections[reason] = h
             self._hot.append(h)
         h.observe(seconds)
+
+    def admission_refused(self, code: str, single_pass: bool) -> None:
+        """One admission refusal (`tailguard_admission_refusals_total`), counted in plain Python
+        until the next scrape (a burst brings thousands)."""
+        key = (code, "single_pass" if single_pass else "generate")
+        self._refused[key] = self._refused.get(key, 0) + 1
+
+    def prediction(self, single_pass: bool, actual_s: float, planned_s: float) -> None:
+        """One admitted request's deadline event against the time admission planned for."""
+        kind = "single_pass" if single_pass else "generate"
+        self._ratios[kind].observe(actual_s / planned_s if planned_s > 0 else 0.0)
+
+    def calibration_now(self, single_pass: bool, calibration: Any) -> None:
+        kind = "single_pass" if single_pass else "generate"
+        g = self.calibration
+        g.labels(kind, "ratio").set(calibration.ratio)
+        g.labels(kind, "excess_seconds").set(calibration.excess_s)
+        g.labels(kind, "live_ratio").set(calibration.live_ratio)
+        g.labels(kind, "live_excess_seconds").set(calibration.live_excess_s)
 
     def connection_opened(self) -> None:
         self._conn_opened += 1

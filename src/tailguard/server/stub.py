@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from tailguard.core.request import (
@@ -87,6 +87,7 @@ class StubEngineClient:
             max_num_batched_tokens=max_num_batched_tokens,
         )
         self._ready = False
+        self.on_output: Callable[[EngineOutput], None] | None = None
 
     async def start(self) -> None:
         self._ready = True
@@ -98,11 +99,11 @@ class StubEngineClient:
         if not self._ready:
             raise EngineUnavailableError("stub engine is not started")
         if request.kind != RequestKind.GENERATE:
-            yield _single_pass_output(request, 0.0, 0.0)
+            yield self._emit(_single_pass_output(request, 0.0, 0.0))
             return
         n = request.sampling.max_tokens
         ids = [fake_token(request.prompt_token_ids, i, request.sampling.seed) for i in range(n)]
-        yield EngineOutput(
+        out = EngineOutput(
             request_id=request.request_id,
             new_token_ids=ids,
             finished=True,
@@ -111,11 +112,18 @@ class StubEngineClient:
             num_output_tokens=n,
             first_token_s=time.monotonic(),
         )
+        yield self._emit(out)
 
     async def run(self, request: EngineRequest) -> EngineOutput:
         if not self._ready:
             raise EngineUnavailableError("stub engine is not started")
-        return _single_pass_output(request, 0.0, 0.0)
+        return self._emit(_single_pass_output(request, 0.0, 0.0))
+
+    def _emit(self, out: EngineOutput) -> EngineOutput:
+        out.received_s = time.monotonic()
+        if self.on_output is not None:
+            self.on_output(out)
+        return out
 
     async def abort(self, request_id: str) -> None:
         return None
@@ -176,6 +184,7 @@ class SimulatedEngineClient:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
         )
         self._recent: list[StepStats] = []
+        self.on_output: Callable[[EngineOutput], None] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -265,8 +274,8 @@ class SimulatedEngineClient:
         if seq is not None:
             self._remove(request_id)
             self._counters.aborted_total += 1
-            seq.out.put_nowait(
-                EngineOutput(request_id, finished=True, finish_reason=FinishReason.ABORTED)
+            self._emit(
+                seq, EngineOutput(request_id, finished=True, finish_reason=FinishReason.ABORTED)
             )
 
     def _remove(self, request_id: str) -> None:
@@ -319,8 +328,9 @@ class SimulatedEngineClient:
         for seq in [q for q in self._waiting if q.started_s is None and q.req.deadline_s < now]:
             self._remove(seq.req.request_id)
             self._counters.expired_total += 1
-            seq.out.put_nowait(
-                EngineOutput(seq.req.request_id, finished=True, finish_reason=FinishReason.EXPIRED)
+            self._emit(
+                seq,
+                EngineOutput(seq.req.request_id, finished=True, finish_reason=FinishReason.EXPIRED),
             )
 
     def _schedule(self) -> list[tuple[_Seq, int]]:
@@ -381,7 +391,7 @@ class SimulatedEngineClient:
                 self._running.remove(seq)
                 self._finish(seq, out)
             else:
-                seq.out.put_nowait(out)
+                self._emit(seq, out)
         tokens = sum(n for _, n in plan)
         c = self._counters
         c.steps_total += 1
@@ -406,4 +416,11 @@ class SimulatedEngineClient:
     def _finish(self, seq: _Seq, out: EngineOutput) -> None:
         self._by_id.pop(seq.req.request_id, None)
         self._counters.finished_total += 1
+        self._emit(seq, out)
+
+    def _emit(self, seq: _Seq, out: EngineOutput) -> None:
+        """Hand one output over as the real client does: `on_output` first, then the handler."""
+        out.received_s = time.monotonic()
+        if self.on_output is not None:
+            self.on_output(out)
         seq.out.put_nowait(out)
