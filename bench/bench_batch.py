@@ -161,16 +161,23 @@ async def peak_goodput(
 
 # ---- 2. tailguard batch -------------------------------------------------------------------
 def run_tailguard(
-    base_url: str, n: int, body: dict[str, object], sla_ms: float, tmp: Path
+    base_url: str,
+    n: int,
+    body: dict[str, object],
+    sla_ms: float,
+    tmp: Path,
+    path: str = "/v1/infer",
+    bodies: list[dict[str, Any]] | None = None,
 ) -> Result:
+    """`tailguard batch` on n requests to `path`: `bodies`, else `body` with distinct prompts."""
     inp, out = tmp / "in.jsonl", tmp / "out.jsonl"
     with inp.open("w") as f:
         for i in range(n):
             line = {
                 "custom_id": f"req-{i}",
                 "method": "POST",
-                "url": "/v1/infer",
-                "body": unique_body(body, "job", i),
+                "url": path,
+                "body": bodies[i] if bodies is not None else unique_body(body, "job", i),
             }
             f.write(json.dumps(line) + "\n")
     summary_path = tmp / "summary.json"

@@ -8,49 +8,59 @@ from tailguard.core.calibration import Calibration, RecentMax, StepCostModel
 
 
 def cal(**kw: float) -> Calibration:
-    args = {
-        "quantile": 0.9,
-        "window": 10,
-        "min_samples": 5,
-        "prior_ratio": 1.5,
-        "prior_excess_s": 0.01,
-        "floor_s": 0.01,
-    }
+    args = {"quantile": 0.9, "window": 10, "min_samples": 5, "prior_ratio": 1.5,
+            "prior_excess_s": 0.01}  # fmt: skip
     args.update(kw)
     return Calibration(**args)  # type: ignore[arg-type]
 
 
-def test_quantiles_replace_the_priors_once_enough_samples_are_in() -> None:
+def test_priors_stand_until_a_size_class_has_enough_samples() -> None:
     c = cal()
     for _ in range(4):
-        c.observe(0.1, 0.1)
+        c.observe(0.1, 0.15)
     c.refresh()
-    assert (c.ratio, c.excess_s) == (1.5, 0.01)  # 4 < min_samples
-    c.observe(0.1, 0.1)
+    assert c.excess_s(0.1) is None and c.bound(0.1) == pytest.approx(0.15)  # 1.5 x 0.1
+    assert c.bound(0.001) == pytest.approx(0.011)  # the prior excess for a small one
+    c.observe(0.1, 0.15)
     c.refresh()
-    assert c.ratio == pytest.approx(1.0) and c.excess_s == pytest.approx(0.0)
-    # 10 samples: ratios 1.0 .. 1.9; the 0.9 quantile is the 9th smallest
-    for i in range(10):
-        c.observe(0.1, 0.1 * (1 + i / 10))
-    c.refresh()
-    assert c.ratio == pytest.approx(1.8) and c.excess_s == pytest.approx(0.08)
-    assert c.bound(0.2) == pytest.approx(0.36)  # the ratio dominates a large prediction
-    assert c.bound(0.001) == pytest.approx(0.081)  # the excess a small one
+    assert c.excess_s(0.1) == pytest.approx(0.05) and c.bound(0.1) == pytest.approx(0.15)
 
 
-def test_short_predictions_give_no_ratio_samples() -> None:
-    c = cal(min_samples=1)
-    c.observe(0.001, 0.005)  # 5x, but it is 4 ms of fixed delay
-    c.refresh()
-    assert c.ratio == 1.5 and c.excess_s == pytest.approx(0.004)
-
-
-def test_live_terms_widen_the_bound_and_overdue_uses_the_measured_one() -> None:
+def test_each_size_class_plans_for_its_own_quantile() -> None:
     c = cal()
-    assert not c.overdue(0.1, 0.14) and c.overdue(0.1, 0.16)
-    c.live_ratio = 3.0
+    for i in range(10):  # 10 ms predictions: 0..9 ms late; the 0.9 quantile is 8 ms
+        c.observe(0.009, 0.009 + i / 1000)
+    for i in range(10):  # 100 ms predictions: 0..90 ms late; the 0.9 quantile is 80 ms
+        c.observe(0.1, 0.1 + i / 100)
+    c.refresh()
+    assert c.size_class(0.009) != c.size_class(0.1)
+    assert c.bound(0.009) == pytest.approx(0.017)
+    assert c.bound(0.1) == pytest.approx(0.18)
+    # below the smallest measured class: its figure; between and above: the largest below
+    assert c.bound(0.001) == pytest.approx(0.009)
+    assert c.bound(0.03) == pytest.approx(0.038)
+    assert c.bound(5.0) == pytest.approx(5.08)
+
+
+def test_the_bound_grows_with_the_prediction() -> None:
+    c = cal(min_samples=1)
+    c.observe(0.01, 0.1)  # a small prediction that was 90 ms late
+    c.observe(0.3, 0.31)
+    c.refresh()
+    sizes = [0.001 * 1.3**i for i in range(30)]
+    bounds = [c.bound(p) for p in sizes]
+    assert bounds == sorted(bounds)
+    assert c.bound(0.3) == pytest.approx(0.39)  # the small class's 90 ms carries up
+
+
+def test_live_excess_widens_the_bound_and_overdue_uses_the_measured_one() -> None:
+    c = cal(min_samples=1)
+    c.observe(0.1, 0.14)
+    c.refresh()
+    assert not c.overdue(0.1, 0.139) and c.overdue(0.1, 0.141)
+    c.live_excess_s = 0.2
     assert c.bound(0.1) == pytest.approx(0.3)
-    assert c.overdue(0.1, 0.16)  # overdue compares with the measured bound, not the live one
+    assert c.overdue(0.1, 0.141)  # overdue compares with the measured bound, not the live one
 
 
 def test_cost_model_fits_overhead_and_per_token_cost() -> None:

@@ -26,8 +26,8 @@ The prediction (a fluid model of the scheduler in core/scheduler.py)
         engine = steps * (a + b * D) + b * (W + P)       + the step running now
         bound  = calibrated(engine) + front-end delay
 
-    `a + b * tokens` is the step-cost fit (`StepCostModel`). `calibrated` is the measured error
-    of past predictions at the target quantile (`Calibration`: a ratio and an excess, per kind).
+    `a + b * tokens` is the step-cost fit (`StepCostModel`). `calibrated` adds the measured error
+    of past predictions of the same size at the target quantile (`Calibration`, per kind).
     The front-end delay is what the HTTP process itself adds after the engine answered (its
     event-loop lag, the time answers took from the engine client to their handler).
 
@@ -102,8 +102,6 @@ class AdmissionConfig:
     """Actual / predicted time assumed until measured."""
     prior_excess_s: float = 0.010
     """Actual minus predicted time (fixed delays) assumed until measured (seconds)."""
-    ratio_floor_s: float = 0.010
-    """Only predictions at least this long give ratio samples (shorter ones are fixed delays)."""
     prior_step_overhead_s: float = 0.004
     """Step cost `a` before the engine has reported steps (fixed cost per step)."""
     prior_s_per_token: float = 0.0002
@@ -137,7 +135,6 @@ class AdmissionConfig:
         )
         need(self.prior_ratio >= 1.0, f"prior_ratio={self.prior_ratio}: >= 1")
         need(self.prior_excess_s >= 0, f"prior_excess_s={self.prior_excess_s}: >= 0")
-        need(self.ratio_floor_s > 0, f"ratio_floor_s={self.ratio_floor_s}: > 0")
         need(
             self.prior_step_overhead_s >= 0 and self.prior_s_per_token > 0,
             "prior_step_overhead_s must be >= 0 and prior_s_per_token > 0",
@@ -155,7 +152,6 @@ class AdmissionConfig:
             min_samples=self.calibration_min_samples,
             prior_ratio=self.prior_ratio,
             prior_excess_s=self.prior_excess_s,
-            floor_s=self.ratio_floor_s,
         )
 
 
@@ -302,21 +298,14 @@ class AdmissionController:
     def refresh(self, now_s: float) -> None:
         """Recompute the calibration (call every few ms): measured quantiles, plus censored
         samples from the oldest requests in flight that are already past their bound."""
-        live_ratio = {True: 0.0, False: 0.0}
-        live_excess = {True: 0.0, False: 0.0}
+        live = {True: 0.0, False: 0.0}
         for item in islice(self._pending.values(), _SCAN_OVERDUE):
-            cal = self.calibration[item.single_pass]
             elapsed = now_s - item.decided_s
-            if not cal.overdue(item.engine_s, elapsed):
-                continue
-            kind = item.single_pass
-            live_excess[kind] = max(live_excess[kind], elapsed - item.engine_s)
-            if item.engine_s >= cal.floor_s:
-                live_ratio[kind] = max(live_ratio[kind], elapsed / item.engine_s)
+            if self.calibration[item.single_pass].overdue(item.engine_s, elapsed):
+                live[item.single_pass] = max(live[item.single_pass], elapsed - item.engine_s)
         for kind, cal in self.calibration.items():
             cal.refresh()
-            cal.live_ratio = live_ratio[kind]
-            cal.live_excess_s = live_excess[kind]
+            cal.live_excess_s = live[kind]
 
     # ---- prediction ---------------------------------------------------------------------------
     def engine_s(self, prompt_tokens: int, *, interactive: bool, now_s: float) -> float:

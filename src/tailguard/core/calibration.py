@@ -6,22 +6,16 @@ gives one sample of actual vs predicted time, and admission plans for a high qua
 samples (the bound tightens when predictions are good and widens when the machine is noisy)
 instead of fixed safety multipliers. Pure Python, no clock of its own: tests step it by hand.
 
-Why two error terms, a ratio and an excess: a prediction is wrong in two ways. The step-cost fit
-can be off by a factor (another process takes the engine's CPU: every step is slower), and there
-are fixed delays the fluid model does not see (IPC, the HTTP process's event loop, waiting for the
-step already running). The factor dominates large predictions and the fixed delay small ones; a
-ratio measured on 1 ms predictions would be a large factor that turns 100 ms predictions away
-for no reason, so ratios are only sampled on predictions of at least `floor_s`, and the fixed part
-is sampled as an excess in seconds. The bound for a prediction `p` is
-`max(p * ratio, p + excess)`, each at the target quantile.
+Why per size class and in seconds: see `Calibration`.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import deque
 
-__all__ = ["Calibration", "RecentMax", "StepCostModel"]
+__all__ = ["EDGES_S", "Calibration", "RecentMax", "StepCostModel"]
 
 
 class StepCostModel:
@@ -90,17 +84,31 @@ def _quantile(samples: deque[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
+# Upper edges (s) of the prediction-size classes the error is measured in; the last is open.
+EDGES_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
+
+
 class Calibration:
     """The measured error of one kind of prediction (completion, or first token).
 
     `observe(predicted, actual)` after each answer; `refresh()` recomputes the quantiles (the
     server calls it every few ms, not per request); `bound(p)` is the time to plan for.
-    Until `min_samples` answers are in, the priors stand in for the measured quantiles.
 
-    `live_ratio` / `live_excess` are set by the admission controller from requests still in
-    flight that are already later than their bound (censored samples: their actual time is at
-    least this much). They widen the bound the moment the engine slows down, long before the
-    late answers themselves arrive; 0 when nothing is overdue.
+    The error is kept as an excess in seconds (actual - predicted), per class of prediction size
+    (`EDGES_S`): a 10 ms prediction and a 300 ms one are wrong in different ways (the first by the
+    fixed delays, the second also by the step-cost fit), and one pooled figure would make the
+    small ones plan for the large ones' error or the other way round. A class's figure is the
+    target quantile of its recent samples once it has `min_samples`; the figure used for a
+    prediction is the largest over its class and every smaller class that has one (so the bound
+    grows with the prediction, and `saturated` may ask about a one-token request for any size).
+    A class above every measured one uses the largest measured figure: optimistic, which costs a
+    few late answers that then measure it (within one deadline), where a pessimistic guess would
+    refuse those requests forever and never learn otherwise. Until any class is measured, the
+    priors stand in: `max(p * prior_ratio, p + prior_excess_s)`.
+
+    `live_excess_s` is set by the admission controller from requests still in flight that are
+    already later than their bound (censored samples: their actual excess is at least this). It
+    widens the bound the moment the engine slows down, long before the late answers arrive.
     """
 
     def __init__(
@@ -111,49 +119,63 @@ class Calibration:
         min_samples: int,
         prior_ratio: float,
         prior_excess_s: float,
-        floor_s: float,
     ) -> None:
         self.quantile = quantile
         self.min_samples = min_samples
         self.prior_ratio = prior_ratio
         self.prior_excess_s = prior_excess_s
-        self.floor_s = floor_s
-        self._ratios: deque[float] = deque(maxlen=window)
-        self._excess: deque[float] = deque(maxlen=window)
-        self._dirty = False
-        self.ratio = prior_ratio  # actual / predicted at the target quantile
-        self.excess_s = prior_excess_s  # actual - predicted at the target quantile (s)
-        self.live_ratio = 0.0
+        self._excess = [deque[float](maxlen=window) for _ in range(len(EDGES_S) + 1)]
+        self._dirty: set[int] = set()
+        self._measured: list[float | None] = [None] * (len(EDGES_S) + 1)
+        self._envelope: list[float | None] = [None] * (len(EDGES_S) + 1)
         self.live_excess_s = 0.0
+
+    @staticmethod
+    def size_class(predicted_s: float) -> int:
+        return bisect_left(EDGES_S, predicted_s)
 
     @property
     def samples(self) -> int:
-        return len(self._excess)
+        return sum(len(d) for d in self._excess)
 
     def observe(self, predicted_s: float, actual_s: float) -> None:
-        self._excess.append(actual_s - predicted_s)
-        if predicted_s >= self.floor_s:
-            self._ratios.append(actual_s / predicted_s)
-        self._dirty = True
+        k = self.size_class(predicted_s)
+        self._excess[k].append(actual_s - predicted_s)
+        self._dirty.add(k)
 
     def refresh(self) -> None:
         if not self._dirty:
             return
-        self._dirty = False
-        if len(self._ratios) >= self.min_samples:
-            self.ratio = _quantile(self._ratios, self.quantile)
-        if len(self._excess) >= self.min_samples:
-            self.excess_s = _quantile(self._excess, self.quantile)
+        for k in self._dirty:
+            if len(self._excess[k]) >= self.min_samples:
+                self._measured[k] = _quantile(self._excess[k], self.quantile)
+        self._dirty.clear()
+        top: float | None = None
+        first = next((m for m in self._measured if m is not None), None)
+        for k, m in enumerate(self._measured):
+            if m is not None:
+                top = m if top is None else max(top, m)
+            # below the smallest measured class: that class's figure (None: nothing measured)
+            self._envelope[k] = top if top is not None else first
+
+    def excess_s(self, predicted_s: float) -> float | None:
+        """The measured excess planned for at this prediction size (None: nothing measured)."""
+        return self._envelope[self.size_class(predicted_s)]
 
     def bound(self, predicted_s: float) -> float:
         """The time to plan for when the model predicts `predicted_s`."""
-        ratio = max(self.ratio, self.live_ratio)
-        excess = max(self.excess_s, self.live_excess_s)
-        return max(predicted_s * ratio, predicted_s + excess)
+        return max(self._measured_bound(predicted_s), predicted_s + self.live_excess_s)
 
     def overdue(self, predicted_s: float, elapsed_s: float) -> bool:
-        """True when a request still in flight has already taken longer than its bound."""
-        return elapsed_s > max(predicted_s * self.ratio, predicted_s + self.excess_s)
+        """True when a request still in flight has already taken longer than its bound (the
+        measured one: what is overdue must not depend on what was overdue before)."""
+        return elapsed_s > self._measured_bound(predicted_s)
+
+    def _measured_bound(self, p: float) -> float:
+        e = self._envelope[bisect_left(EDGES_S, p)]
+        if e is None:
+            return max(p * self.prior_ratio, p + self.prior_excess_s)
+        return p + max(e, 0.0)
 
 
 class RecentMax:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import orjson
 
 from tailguard.core.admission import AdmissionController
-from tailguard.core.calibration import RecentMax
+from tailguard.core.calibration import EDGES_S, RecentMax
 from tailguard.core.engine_api import EngineClientProtocol
 from tailguard.core.request import EngineOutput
 from tailguard.errors import (
@@ -377,7 +377,7 @@ class App:
 
     async def _metrics(self, call: Call) -> None:
         for single_pass, cal in self.admission.calibration.items():
-            self.metrics.calibration_now(single_pass, cal)
+            self.metrics.calibration_now(single_pass, cal, EDGES_S)
         call.respond(200, self.metrics.render(), [(b"content-type", CONTENT_TYPE.encode())])
 
     async def _models(self, call: Call) -> None:

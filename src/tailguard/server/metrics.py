@@ -147,10 +147,11 @@ class ServerMetrics:
             registry=r,
         )
         self.calibration = Gauge(
-            "tailguard_admission_calibration",
-            "Admission's measured prediction error at its target quantile: ratio (actual / "
-            "predicted) and excess_seconds (actual - predicted), live: from requests in flight",
-            ["kind", "term"],
+            "tailguard_admission_excess_seconds",
+            "Admission's measured prediction error (actual - predicted) at its target quantile, "
+            "planned for predictions up to `le` seconds (le=live: from requests in flight that "
+            "are already past their bound)",
+            ["kind", "le"],
             registry=r,
         )
         self.cache_hits = Counter(
@@ -316,13 +317,15 @@ class ServerMetrics:
         kind = "single_pass" if single_pass else "generate"
         self._ratios[kind].observe(actual_s / planned_s if planned_s > 0 else 0.0)
 
-    def calibration_now(self, single_pass: bool, calibration: Any) -> None:
+    def calibration_now(self, single_pass: bool, calibration: Any, edges: Iterable[float]) -> None:
+        """The excess admission plans for now, per prediction size (unmeasured sizes left out)."""
         kind = "single_pass" if single_pass else "generate"
         g = self.calibration
-        g.labels(kind, "ratio").set(calibration.ratio)
-        g.labels(kind, "excess_seconds").set(calibration.excess_s)
-        g.labels(kind, "live_ratio").set(calibration.live_ratio)
-        g.labels(kind, "live_excess_seconds").set(calibration.live_excess_s)
+        for edge in edges:
+            excess = calibration.excess_s(edge)
+            if excess is not None:
+                g.labels(kind, f"{edge:g}").set(excess)
+        g.labels(kind, "live").set(calibration.live_excess_s)
 
     def connection_opened(self) -> None:
         self._conn_opened += 1

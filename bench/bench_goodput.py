@@ -1,0 +1,377 @@
+"""Goodput of admission against the oracle, side by side in one run.
+
+For each workload (`/v1/infer` with varied prompts, one-token `/v1/completions`, 16-token
+streamed generations with the deadline on the first token):
+
+1. Oracle: a server with `--admission off`, closed-loop clients at rising concurrency; the
+   oracle goodput is the highest throughput whose client-side p99 stays within the SLA.
+2. A server with default admission, open-loop (Poisson arrivals, timed from each request's
+   intended send time) at 0.5x, 1x, 1.5x, 2x and 4x the oracle rate. Goodput = answers within
+   their deadline per second. Target at every level: goodput >= 90% of min(offered, oracle),
+   and >= 99% of admitted answers within their deadline.
+3. `tailguard batch` on N one-token completions with varied prompts against the default server:
+   makespan <= 1.15x the oracle makespan (N / oracle goodput), >= 99% within the SLA, retries
+   <= 2% of N, 0 lost, 0 duplicated.
+
+Every prompt is different (8-60 words), so the degradation cache never answers. The load client
+runs on the same machine, as it did for the oracle: its CPU is part of the budget of both.
+The last lines are the ratios.
+
+    .venv/bin/python bench/bench_goodput.py                  # the embedded model, ~8 minutes
+    .venv/bin/python bench/bench_goodput.py --quick --server-arg=--engine=simulated   # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench_batch import _run, run_tailguard
+from tailguard.tools.lab.procs import free_port, serving
+
+WORDS = (  # noqa: SIM905 (a sentence reads better than 41 quoted words)
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
+    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone "
+    "cloud forest ember harbor lantern meadow orbit prism quartz summit thunder valley willow"
+).split()
+HEADERS = {"Content-Type": "application/json"}
+REFUSED = (429, 503)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    path: str
+    stream: bool  # deadline on the first streamed bytes (the first token), not the whole answer
+    body: Callable[[random.Random, int], dict[str, Any]]
+
+
+def _prompt(rng: random.Random, i: int, lo: int = 8, hi: int = 60) -> str:
+    words = rng.choices(WORDS, k=rng.randint(lo, hi))
+    return f"{i} " + " ".join(words)  # the index makes every prompt distinct
+
+
+WORKLOADS = {
+    "infer": Workload(
+        "infer", "/v1/infer", False, lambda r, i: {"prompt": _prompt(r, i), "top_k": 1}
+    ),
+    "complete1": Workload(
+        "complete1",
+        "/v1/completions",
+        False,
+        lambda r, i: {"prompt": _prompt(r, i), "max_tokens": 1, "temperature": 0},
+    ),
+    "gen16": Workload(
+        "gen16",
+        "/v1/completions",
+        True,
+        lambda r, i: {
+            "prompt": _prompt(r, i, 24, 24),  # ~32 tokens
+            "max_tokens": 16,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ),
+}
+
+
+@dataclass
+class Sample:
+    status: int  # 0: connection error or timeout
+    latency_s: float  # intended send -> deadline event (answer, or first streamed bytes)
+    done_s: float  # monotonic time the deadline event happened
+
+
+async def _send(
+    s: aiohttp.ClientSession, url: str, body: bytes, stream: bool, t0: float, out: list[Sample]
+) -> None:
+    try:
+        async with s.post(url, data=body, headers=HEADERS) as r:
+            if stream and r.status == 200:
+                await r.content.readany()
+                t_event = time.monotonic()
+                await r.read()
+            else:
+                await r.read()
+                t_event = time.monotonic()
+            out.append(Sample(r.status, t_event - t0, t_event))
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        t = time.monotonic()
+        out.append(Sample(0, t - t0, t))
+
+
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)
+    )
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))]
+
+
+# ---- 1. the oracle ----------------------------------------------------------------------------
+@dataclass
+class Level:
+    concurrency: int
+    throughput: float  # answers per second
+    p99_ms: float
+    errors: int
+
+
+async def closed_loop(
+    base: str, w: Workload, conc: int, seconds: float, seed: int, warm_s: float = 0.5
+) -> Level:
+    rng = random.Random(seed)
+    samples: list[Sample] = []
+    start = time.monotonic()
+    window = (start + warm_s, start + warm_s + seconds)
+    counter = iter(range(10**9))
+
+    async def worker(s: aiohttp.ClientSession) -> None:
+        while (t0 := time.monotonic()) < window[1]:
+            body = json.dumps(w.body(rng, next(counter))).encode()
+            await _send(s, base + w.path, body, w.stream, t0, samples)
+
+    async with _session() as s:
+        await asyncio.gather(*(worker(s) for _ in range(conc)))
+    inside = [x for x in samples if window[0] <= x.done_s <= window[1]]
+    ok = [x.latency_s for x in inside if x.status == 200]
+    return Level(conc, len(ok) / seconds, pct(ok, 99) * 1e3, len(inside) - len(ok))
+
+
+async def oracle_sweep(
+    base: str, w: Workload, sla_s: float, seconds: float, levels: list[int]
+) -> tuple[float, list[Level]]:
+    found: list[Level] = []
+    for conc in levels:
+        lv = await closed_loop(base, w, conc, seconds, seed=conc)
+        found.append(lv)
+        print(
+            f"    concurrency {conc:4d}: {lv.throughput:7.1f} answers/s  p99 {lv.p99_ms:7.1f} ms"
+            f"  errors {lv.errors}",
+            flush=True,
+        )
+        if lv.p99_ms > 2 * sla_s * 1e3:
+            break
+    good = [lv.throughput for lv in found if lv.p99_ms <= sla_s * 1e3 and lv.errors == 0]
+    return max(good, default=0.0), found
+
+
+# ---- 2. admission on, open loop ---------------------------------------------------------------
+@dataclass
+class OpenLevel:
+    factor: float
+    offered: float  # requests per second sent
+    sent: int
+    goodput: float  # answers within the deadline per second
+    refused: int
+    errors: int  # neither an answer nor a refusal
+    admitted: int
+    admitted_in_time: int
+    admitted_p99_ms: float
+    refusal_p99_ms: float
+    target_goodput: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def goodput_share(self) -> float:
+        return self.goodput / self.target_goodput if self.target_goodput else math.nan
+
+    @property
+    def in_time_share(self) -> float:
+        return self.admitted_in_time / self.admitted if self.admitted else 1.0
+
+    @property
+    def met(self) -> bool:
+        return self.goodput >= 0.9 * self.target_goodput and self.in_time_share >= 0.99
+
+
+async def open_loop(
+    base: str, w: Workload, rate: float, seconds: float, sla_s: float, seed: int
+) -> OpenLevel:
+    rng = random.Random(seed)
+    samples: list[Sample] = []
+    tasks: list[asyncio.Task[None]] = []
+    n = max(1, int(rate * seconds))
+    async with _session() as s:
+        t = start = time.monotonic()
+        for i in range(n):
+            t += rng.expovariate(rate)
+            delay = t - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body = json.dumps(w.body(rng, i)).encode()
+            tasks.append(asyncio.create_task(_send(s, base + w.path, body, w.stream, t, samples)))
+        await asyncio.gather(*tasks)
+    span = max(seconds, t - start)
+    ok = [x.latency_s for x in samples if x.status == 200]
+    refused = [x.latency_s for x in samples if x.status in REFUSED]
+    in_time = sum(x <= sla_s for x in ok)
+    return OpenLevel(
+        factor=0.0,
+        offered=n / span,
+        sent=n,
+        goodput=in_time / span,
+        refused=len(refused),
+        errors=len(samples) - len(ok) - len(refused),
+        admitted=len(ok),
+        admitted_in_time=in_time,
+        admitted_p99_ms=pct(ok, 99) * 1e3,
+        refusal_p99_ms=pct(refused, 99) * 1e3,
+    )
+
+
+# ---- report -----------------------------------------------------------------------------------
+def print_levels(w: Workload, oracle: float, levels: list[OpenLevel]) -> None:
+    print(f"  {w.name}: oracle {oracle:.1f}/s")
+    print(
+        "    factor  offered/s  goodput/s  target/s  share   refused  admitted  in time  "
+        "adm p99 ms  refusal p99 ms  errors"
+    )
+    for lv in levels:
+        print(
+            f"    {lv.factor:5.1f}x  {lv.offered:9.1f}  {lv.goodput:9.1f}  {lv.target_goodput:8.1f}"
+            f"  {lv.goodput_share:5.2f}  {lv.refused / lv.sent:7.1%}  {lv.admitted:8d}"
+            f"  {lv.in_time_share:7.2%}  {lv.admitted_p99_ms:10.1f}  {lv.refusal_p99_ms:14.1f}"
+            f"  {lv.errors:6d}"
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="infer,complete1,gen16")
+    ap.add_argument("--sla-ms", type=float, default=150.0)
+    ap.add_argument("--factors", default="0.5,1,1.5,2,4", help="open-loop rates x the oracle")
+    ap.add_argument("--level-s", type=float, default=10.0, help="seconds per open-loop level")
+    ap.add_argument("--sweep-s", type=float, default=3.0, help="seconds per oracle level")
+    ap.add_argument("--sweep", default="1,2,4,8,16,24,32,48,64,96,128", help="concurrencies")
+    ap.add_argument("--batch-requests", type=int, default=10_000)
+    ap.add_argument("--gap-s", type=float, default=3.0, help="pause between levels")
+    ap.add_argument("--quick", action="store_true", help="a seconds-long functional run")
+    ap.add_argument("--server-arg", action="append", default=[], help="extra serve argument")
+    ap.add_argument("--json", type=Path, help="also write every figure here")
+    a = ap.parse_args()
+    if a.quick:
+        a.factors, a.level_s, a.sweep_s, a.sweep = "0.5,2", 1.5, 1.0, "2,8,32"
+        a.batch_requests, a.gap_s = min(a.batch_requests, 300), 0.2
+    sla_s = a.sla_ms / 1e3
+    factors = [float(x) for x in a.factors.split(",")]
+    workloads = [WORKLOADS[x] for x in a.workloads.split(",")]
+    logs = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
+    serve = [sys.executable, "-m", "tailguard.cli", "serve", "--sla-ms", f"{a.sla_ms:g}"]
+    serve += ["--log-level", "warning", *a.server_arg]
+
+    def server(name: str, *flags: str) -> Any:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [*serve, "--port", str(port), *flags]
+        return serving(name, cmd, logs / f"{name}.log", url + "/ready"), url
+
+    oracles: dict[str, float] = {}
+    print(f"1. oracle: --admission off, closed loop, {a.sweep_s:g} s per level", flush=True)
+    ctx, base = server("oracle", "--admission", "off")
+    with ctx:
+        for w in workloads:
+            print(f"  {w.name} ({w.path}{', stream, deadline on the first token' * w.stream})")
+            sweep = [int(x) for x in a.sweep.split(",")]
+            oracles[w.name], _ = _run(oracle_sweep(base, w, sla_s, a.sweep_s, sweep))
+            print(f"    oracle goodput {oracles[w.name]:.1f}/s", flush=True)
+            time.sleep(a.gap_s)
+
+    results: dict[str, list[OpenLevel]] = {}
+    batch = None
+    print(f"2. default admission, open loop, {a.level_s:g} s per level", flush=True)
+    ctx, base = server("admission")
+    with ctx:
+        for w in workloads:
+            results[w.name] = []
+            for f in factors:
+                rate = max(1.0, f * oracles[w.name])
+                lv = _run(open_loop(base, w, rate, a.level_s, sla_s, seed=int(f * 100)))
+                lv.factor = f
+                lv.target_goodput = min(lv.offered, oracles[w.name])
+                results[w.name].append(lv)
+                print(
+                    f"    {w.name} {f:g}x: offered {lv.offered:.0f}/s goodput "
+                    f"{lv.goodput:.0f}/s refused {lv.refused}/{lv.sent}",
+                    flush=True,
+                )
+                time.sleep(a.gap_s)
+        if "complete1" in oracles and a.batch_requests:
+            n = a.batch_requests
+            print(f"3. tailguard batch: {n} one-token completions", flush=True)
+            body = {"prompt": "batch job", "max_tokens": 1, "temperature": 0}
+            rng = random.Random(7)
+            bodies = [WORKLOADS["complete1"].body(rng, i) for i in range(n)]
+            with tempfile.TemporaryDirectory() as tmp:
+                batch = run_tailguard(
+                    base, n, body, a.sla_ms, Path(tmp), path="/v1/completions", bodies=bodies
+                )
+
+    print("\nsummary (client-side times, from each request's intended send time)")
+    for w in workloads:
+        print_levels(w, oracles[w.name], results[w.name])
+    lines = []
+    for w in workloads:
+        for lv in results[w.name]:
+            lines.append(
+                f"goodput {w.name} {lv.factor:g}x: {lv.goodput_share:.3f} of "
+                f"min(offered, oracle) (target >= 0.90), admitted in time "
+                f"{lv.in_time_share:.2%} (target >= 99%): {'met' if lv.met else 'MISSED'}"
+            )
+    ok = all(lv.met for lvs in results.values() for lv in lvs)
+    if batch is not None:
+        n = a.batch_requests
+        ideal = n / oracles["complete1"] if oracles["complete1"] else math.inf
+        within = sum(x <= sla_s for x in batch.latencies_s) / n
+        retries = batch.retries or 0
+        batch_ok = (
+            batch.makespan_s <= 1.15 * ideal
+            and within >= 0.99
+            and retries <= 0.02 * n
+            and batch.lost == 0
+            and batch.duplicated == 0
+        )
+        ok = ok and batch_ok
+        lines.append(
+            f"batch {n}: makespan {batch.makespan_s:.2f} s / oracle {ideal:.2f} s = "
+            f"{batch.makespan_s / ideal:.3f}x (target <= 1.15x), within SLA {within:.2%}, "
+            f"retries {retries} ({retries / n:.2%}, target <= 2%), lost {batch.lost}, "
+            f"duplicated {batch.duplicated}: {'met' if batch_ok else 'MISSED'}"
+        )
+    if a.json:
+        a.json.write_text(
+            json.dumps(
+                {
+                    "oracle": oracles,
+                    "levels": {k: [vars(x) for x in v] for k, v in results.items()},
+                    "batch": None if batch is None else vars(batch) | {"latencies_s": None},
+                },
+                default=str,
+                indent=1,
+            )
+        )
+    print()
+    for line in lines:
+        print(line)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
