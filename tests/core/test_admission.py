@@ -143,21 +143,21 @@ def test_calibration_widens_the_bound_after_late_answers_and_tightens_after_good
     c = make(calibration_min_samples=4, calibration_window=8)
     raw = A + 1000 * B
     for i in range(4):  # the engine took twice as long as predicted
-        t0 = 10.0 * i
+        t0 = 1.0 * i
         decide(c, f"slow{i}", tokens=1000, deadline=10.0, now=t0)
         c.observe_output(output(f"slow{i}", finished=True), now_s=t0 + 2 * raw)
-    c.refresh(100.0)
+    c.refresh(5.0)
     assert c.calibration[True].excess_s(raw) == pytest.approx(raw)
-    d = decide(c, "x", tokens=1000, deadline=10.0, now=100.0)
+    d = decide(c, "x", tokens=1000, deadline=10.0, now=5.0)
     assert d.predicted_s == pytest.approx(2 * raw)
     c.release("x")
     for i in range(8):  # then predictions were right: the window forgets the slow ones
-        t0 = 200.0 + 10.0 * i
+        t0 = 6.0 + 1.0 * i
         decide(c, f"ok{i}", tokens=1000, deadline=10.0, now=t0)
         c.observe_output(output(f"ok{i}", finished=True), now_s=t0 + raw)
-    c.refresh(300.0)
+    c.refresh(15.0)
     assert c.calibration[True].excess_s(raw) == pytest.approx(0.0)
-    assert decide(c, "y", tokens=1000, now=300.0).predicted_s == pytest.approx(raw)
+    assert decide(c, "y", tokens=1000, now=15.0).predicted_s == pytest.approx(raw)
 
 
 def test_a_generation_is_sampled_at_its_first_token_not_at_the_end() -> None:
@@ -165,8 +165,8 @@ def test_a_generation_is_sampled_at_its_first_token_not_at_the_end() -> None:
     decide(c, "g", tokens=1000, out=500, single=False, deadline=10.0)
     raw = A + 1000 * B
     c.observe_output(output("g", new=1), now_s=raw)  # first token exactly as predicted
-    c.observe_output(output("g", new=499, finished=True), now_s=30.0)  # a long generation
-    c.refresh(31.0)
+    c.observe_output(output("g", new=499, finished=True), now_s=20.0)  # a long generation
+    c.refresh(21.0)
     assert c.calibration[False].excess_s(raw) == pytest.approx(0.0)
     assert c.calibration[True].samples == 0
 

@@ -17,75 +17,97 @@ def cal(**kw: float) -> Calibration:
 def test_priors_stand_until_a_size_class_has_enough_samples() -> None:
     c = cal()
     for _ in range(4):
-        c.observe(0.1, 0.15)
-    c.refresh()
+        c.observe(0.1, 0.15, 0.0)
+    c.refresh(0.0)
     assert c.excess_s(0.1) is None and c.bound(0.1) == pytest.approx(0.15)  # 1.5 x 0.1
     assert c.bound(0.001) == pytest.approx(0.011)  # the prior excess for a small one
-    c.observe(0.1, 0.15)
-    c.refresh()
+    c.observe(0.1, 0.15, 0.0)
+    c.refresh(0.0)
     assert c.excess_s(0.1) == pytest.approx(0.05) and c.bound(0.1) == pytest.approx(0.15)
 
 
 def test_each_size_class_plans_for_its_own_quantile() -> None:
     c = cal()
-    for i in range(10):  # 10 ms predictions: 0..9 ms late; the 0.9 quantile is 8 ms
-        c.observe(0.009, 0.009 + i / 1000)
     for i in range(10):  # 100 ms predictions: 0..90 ms late; the 0.9 quantile is 80 ms
-        c.observe(0.1, 0.1 + i / 100)
-    c.refresh()
-    assert c.size_class(0.009) != c.size_class(0.1)
-    assert c.bound(0.009) == pytest.approx(0.017)
+        c.observe(0.1, 0.1 + i / 100, 0.0)
+    for i in range(10):  # 1 s predictions: 0..9 ms late; the 0.9 quantile is 8 ms
+        c.observe(1.0, 1.0 + i / 1000, 0.0)
+    c.refresh(0.0)
+    assert c.size_class(0.1) != c.size_class(1.0)
     assert c.bound(0.1) == pytest.approx(0.18)
-    # below the smallest measured class: its figure; between and above: the largest below
-    assert c.bound(0.001) == pytest.approx(0.009)
-    assert c.bound(0.03) == pytest.approx(0.038)
-    assert c.bound(5.0) == pytest.approx(5.08)
+    assert c.bound(1.0) == pytest.approx(1.008)
+    # below the smallest measured class: its figure; above a measured class: the nearest below
+    assert c.bound(0.001) == pytest.approx(0.081)
+    assert c.bound(0.3) == pytest.approx(0.38)
+    assert c.bound(5.0) == pytest.approx(5.008)
 
 
-def test_the_bound_grows_with_the_prediction() -> None:
+def test_the_bound_never_falls_as_the_prediction_grows() -> None:
     c = cal(min_samples=1)
-    c.observe(0.01, 0.1)  # a small prediction that was 90 ms late
-    c.observe(0.3, 0.31)
-    c.refresh()
+    c.observe(0.03, 0.2, 0.0)  # a 30 ms prediction (class up to 40 ms) that took 200 ms
+    c.observe(0.05, 0.05, 0.0)  # 50 ms predictions are right
+    c.refresh(0.0)
     sizes = [0.001 * 1.3**i for i in range(30)]
     bounds = [c.bound(p) for p in sizes]
     assert bounds == sorted(bounds)
-    assert c.bound(0.3) == pytest.approx(0.39)  # the small class's 90 ms carries up
+    assert c.bound(0.05) == pytest.approx(0.04 + 0.17)  # the top of the 40 ms class
+    assert c.bound(0.5) == pytest.approx(0.5)
+
+
+def test_old_samples_age_out() -> None:
+    c = cal(min_samples=2)
+    c.observe(0.003, 0.13, 0.0)  # measured while the step-cost fit was wrong
+    c.observe(0.003, 0.13, 0.0)
+    c.refresh(1.0)
+    assert c.bound(0.1) == pytest.approx(0.1 + 0.127)
+    c.observe(0.1, 0.11, 25.0)
+    c.observe(0.1, 0.11, 25.0)
+    c.refresh(31.0)  # the first two are over 30 s old
+    assert c.bound(0.1) == pytest.approx(0.11)
 
 
 def test_live_excess_widens_the_bound_and_overdue_uses_the_measured_one() -> None:
     c = cal(min_samples=1)
-    c.observe(0.1, 0.14)
-    c.refresh()
+    c.observe(0.1, 0.14, 0.0)
+    c.refresh(0.0)
     assert not c.overdue(0.1, 0.139) and c.overdue(0.1, 0.141)
     c.live_excess_s = 0.2
     assert c.bound(0.1) == pytest.approx(0.3)
     assert c.overdue(0.1, 0.141)  # overdue compares with the measured bound, not the live one
 
 
-def test_cost_model_fits_overhead_and_per_token_cost() -> None:
+def test_cost_model_fits_its_shape_from_the_warm_up_then_follows_the_level() -> None:
     m = StepCostModel(0.001, 0.001)
-    for n in (16, 64, 256, 512, 1024, 32, 128):
+    for n in (16, 64, 256, 512, 1024, 32, 128):  # warm-up: every size once
         m.observe(n, 0.005 + 0.00002 * n)
     m.refit()
     assert m.a == pytest.approx(0.005, rel=1e-6) and m.b == pytest.approx(0.00002, rel=1e-6)
-    same = StepCostModel(0.004, 0.0002)
+    for _ in range(100):  # another process takes half the CPU: every step twice as long
+        m.observe(200, 2 * (0.005 + 0.00002 * 200))
+    m.refit()
+    assert m.step_s(200) == pytest.approx(2 * 0.009, rel=1e-3)
+    assert m.step_s(1024) == pytest.approx(2 * (0.005 + 0.00002 * 1024), rel=1e-3)
+
+
+def test_one_size_only_keeps_the_prior_shape_until_sizes_differ() -> None:
+    m = StepCostModel(0.004, 0.0002)
     for _ in range(8):
-        same.observe(100, 0.048)  # one size only: the prior's split, at the measured level
-    same.refit()
-    assert same.step_s(100) == pytest.approx(0.048)
-    assert same.a / same.b == pytest.approx(0.004 / 0.0002)
+        m.observe(100, 0.048)
+    m.refit()
+    assert (m.a, m.b) == (0.004, 0.0002)  # not fitted: one size cannot split the cost
+    m.observe(300, 0.088)
+    m.refit()
+    assert m.step_s(100) == pytest.approx(0.048) and m.step_s(300) == pytest.approx(0.088)
 
 
-def test_a_long_run_of_decode_steps_does_not_erase_what_larger_steps_cost() -> None:
+def test_a_long_run_of_decode_steps_does_not_tilt_the_fit() -> None:
     m = StepCostModel(0.0, 1.0)
     for n in (32, 64, 128, 256, 512, 1024):  # warm-up: every size once, 2 ms + 0.05 ms/token
         m.observe(n, 0.002 + n * 5e-5)
-    for _ in range(5000):  # then a long generation: one-token steps, a bit slower than the fit
-        m.observe(1, 0.0025)
     m.refit()
-    assert m.step_s(200) == pytest.approx(0.002 + 200 * 5e-5, rel=0.1)
-    assert m.step_s(1) == pytest.approx(0.0025, rel=0.3)
+    for _ in range(5000):  # then a long generation: one-token steps, 20% slower than the fit
+        m.observe(1, 1.2 * (0.002 + 5e-5))
+    assert m.step_s(200) == pytest.approx(1.2 * (0.002 + 200 * 5e-5), rel=1e-3)
 
 
 def test_recent_max_keeps_the_worst_sample_for_one_to_two_windows() -> None:

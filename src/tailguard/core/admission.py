@@ -97,7 +97,9 @@ class AdmissionConfig:
     calibration_window: int = 512
     """Recent answers whose prediction error is kept, per kind (completion, first token)."""
     calibration_min_samples: int = 32
-    """Answers needed before the measured error replaces the priors."""
+    """Answers needed (per prediction-size class) before the measured error replaces the priors."""
+    calibration_max_age_s: float = 30.0
+    """Answers older than this no longer count (seconds): the machine and the fit change."""
     prior_ratio: float = 1.25
     """Actual / predicted time assumed until measured."""
     prior_excess_s: float = 0.010
@@ -133,6 +135,10 @@ class AdmissionConfig:
             f"calibration_window={self.calibration_window} must be >= "
             f"calibration_min_samples={self.calibration_min_samples} >= 1",
         )
+        need(
+            self.calibration_max_age_s > 0,
+            f"calibration_max_age_s={self.calibration_max_age_s}: > 0",
+        )
         need(self.prior_ratio >= 1.0, f"prior_ratio={self.prior_ratio}: >= 1")
         need(self.prior_excess_s >= 0, f"prior_excess_s={self.prior_excess_s}: >= 0")
         need(
@@ -152,6 +158,7 @@ class AdmissionConfig:
             min_samples=self.calibration_min_samples,
             prior_ratio=self.prior_ratio,
             prior_excess_s=self.prior_excess_s,
+            max_age_s=self.calibration_max_age_s,
         )
 
 
@@ -275,7 +282,7 @@ class AdmissionController:
         if rid in self._pending and (out.finished or out.new_token_ids):
             del self._pending[rid]
             if out.finish_reason not in (FinishReason.ABORTED, FinishReason.ERROR):
-                sample = self._sample(item, now_s - item.decided_s)
+                sample = self._sample(item, now_s)
         if out.finished:
             self.release(rid)
             return sample
@@ -289,10 +296,11 @@ class AdmissionController:
         self._queued_tokens -= done
         return sample
 
-    def _sample(self, item: WorkItem, actual_s: float) -> PredictionSample:
+    def _sample(self, item: WorkItem, now_s: float) -> PredictionSample:
         cal = self.calibration[item.single_pass]
         predicted = cal.bound(item.engine_s)
-        cal.observe(item.engine_s, actual_s)
+        actual_s = now_s - item.decided_s
+        cal.observe(item.engine_s, actual_s, now_s)
         return PredictionSample(item.single_pass, predicted, item.engine_s, actual_s)
 
     def refresh(self, now_s: float) -> None:
@@ -304,7 +312,7 @@ class AdmissionController:
             if self.calibration[item.single_pass].overdue(item.engine_s, elapsed):
                 live[item.single_pass] = max(live[item.single_pass], elapsed - item.engine_s)
         for kind, cal in self.calibration.items():
-            cal.refresh()
+            cal.refresh(now_s)
             cal.live_excess_s = live[kind]
 
     # ---- prediction ---------------------------------------------------------------------------

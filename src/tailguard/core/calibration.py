@@ -19,61 +19,65 @@ __all__ = ["EDGES_S", "Calibration", "RecentMax", "StepCostModel"]
 
 
 class StepCostModel:
-    """step_s ~= a + b * num_tokens, fitted over the recent step times of each size class.
+    """step_s ~= level * (a0 + b0 * num_tokens): a shape fitted once, a level that follows.
 
     A linear fit rather than a tokens/s average because a step has a fixed cost (launch, python,
     sampling) that a small batch pays in full: a tokens/s figure measured at batch 1 would
     underestimate a full batch's throughput several times over.
 
-    Steps are grouped by size (powers of two of their token count) and each class keeps a moving
-    average of its own steps; the fit goes through the class averages. A window of the last N
-    steps would not do: a long run of one-token decode steps pushes every larger step out of
-    it, and a fit through one size cannot tell the fixed cost from the per-token cost (charging
-    it all per token made a 200-token prefill look 100x dearer than it is). A class keeps its
-    figure until steps of that size run again.
+    The shape `(a0, b0)` is fitted by least squares to the first steps the engine reports: its
+    warm-up, which runs every bucket shape once, so every size is in it. After that only the
+    level moves (a moving average of actual / shape over the recent steps): when other processes
+    take the engine's CPU every step slows by about the same factor, and the level follows
+    within a few steps. Refitting the shape from live steps does not work: they cover only the
+    sizes the traffic makes, a run of one-token decode steps cannot tell fixed cost from
+    per-token cost, and steps slowed by contention at some sizes and not others tilt the line
+    (measured: a 52 ms fixed cost fitted for 37 ms steps).
     """
 
-    def __init__(self, prior_a: float, prior_b: float, alpha: float = 0.2) -> None:
-        self.a = prior_a
-        self.b = prior_b
-        self.alpha = alpha  # weight of a new step in its class's moving average
-        self._classes: dict[int, list[float]] = {}  # size class -> [mean tokens, mean seconds]
-        self._dirty = False
+    def __init__(self, prior_a: float, prior_b: float, alpha: float = 0.1) -> None:
+        self.a0, self.b0 = prior_a, prior_b
+        self.level = 1.0
+        self.alpha = alpha  # weight of a new step in the level's moving average
+        self._first: list[tuple[int, float]] = []  # steps before the shape is fitted
+        self._fitted = False
+
+    @property
+    def a(self) -> float:
+        return self.a0 * self.level
+
+    @property
+    def b(self) -> float:
+        return self.b0 * self.level
 
     def observe(self, num_tokens: int, step_s: float) -> None:
         if num_tokens <= 0 or step_s <= 0:
             return
-        c = self._classes.get(num_tokens.bit_length())
-        if c is None:
-            self._classes[num_tokens.bit_length()] = [float(num_tokens), step_s]
-        else:
-            c[0] += self.alpha * (num_tokens - c[0])
-            c[1] += self.alpha * (step_s - c[1])
-        self._dirty = True
+        if not self._fitted:
+            self._first.append((num_tokens, step_s))
+            return
+        ratio = step_s / (self.a0 + self.b0 * num_tokens)
+        self.level += self.alpha * (ratio - self.level)
 
     def refit(self) -> None:
-        """Recompute (a, b) through the class averages; cheap (at most ~12 classes)."""
-        if not self._dirty:
+        """Fit the shape once enough steps of different sizes are in (cheap; call after a batch
+        of observations)."""
+        if self._fitted or len(self._first) < 4:
             return
-        self._dirty = False
-        points = list(self._classes.values())
-        if len(points) == 1:
-            # One size only: keep the current split of fixed and per-token cost, at the
-            # measured level.
-            ((x, y),) = points
-            scale = y / self.step_s(x)
-            self.a, self.b = self.a * scale, self.b * scale
-            return
-        n = len(points)
-        sx = sum(x for x, _ in points)
-        sy = sum(y for _, y in points)
-        sxx = sum(x * x for x, _ in points)
-        sxy = sum(x * y for x, y in points)
+        xs = [x for x, _ in self._first]
+        if len(set(xs)) < 2:
+            return  # one size cannot tell fixed from per-token cost: keep the prior's shape
+        n = len(self._first)
+        sx, sy = sum(xs), sum(y for _, y in self._first)
+        sxx = sum(x * x for x in xs)
+        sxy = sum(x * y for x, y in self._first)
         b = (n * sxy - sx * sy) / (n * sxx - sx * sx)
         a = (sy - b * sx) / n
         if b <= 0:  # noise: fall back to a pure per-token cost through the mean
             b, a = sy / sx, 0.0
-        self.a, self.b = max(a, 0.0), b
+        self.a0, self.b0 = max(a, 0.0), b
+        self._fitted = True
+        self._first = []
 
     def step_s(self, num_tokens: float) -> float:
         return self.a + self.b * num_tokens
@@ -91,20 +95,27 @@ EDGES_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10
 class Calibration:
     """The measured error of one kind of prediction (completion, or first token).
 
-    `observe(predicted, actual)` after each answer; `refresh()` recomputes the quantiles (the
-    server calls it every few ms, not per request); `bound(p)` is the time to plan for.
+    `observe(predicted, actual, now)` after each answer; `refresh(now)` recomputes the quantiles
+    (the server calls it every few ms, not per request); `bound(p)` is the time to plan for.
 
     The error is kept as an excess in seconds (actual - predicted), per class of prediction size
     (`EDGES_S`): a 10 ms prediction and a 300 ms one are wrong in different ways (the first by the
-    fixed delays, the second also by the step-cost fit), and one pooled figure would make the
-    small ones plan for the large ones' error or the other way round. A class's figure is the
-    target quantile of its recent samples once it has `min_samples`; the figure used for a
-    prediction is the largest over its class and every smaller class that has one (so the bound
-    grows with the prediction, and `saturated` may ask about a one-token request for any size).
-    A class above every measured one uses the largest measured figure: optimistic, which costs a
-    few late answers that then measure it (within one deadline), where a pessimistic guess would
-    refuse those requests forever and never learn otherwise. Until any class is measured, the
-    priors stand in: `max(p * prior_ratio, p + prior_excess_s)`.
+    fixed delays and the step boundary, the second also by the step-cost fit), and one pooled
+    figure would make the small ones plan for the large ones' error or the other way round. A
+    class's figure is the target quantile of its samples of the last `max_age_s` (at most
+    `window` of them) once it has `min_samples`: samples age out, because what a class measured
+    while the step-cost fit was still wrong says nothing once the fit is right (and its
+    predictions have moved to other classes). The excess may be negative: a model that runs
+    pessimistic (the step-cost fit too high) is corrected down as well as up, so admission does
+    not refuse what the engine would have finished.
+
+    A class without a figure of its own borrows the nearest measured class below it (or above
+    it, below every measured one): above the measured range that is optimistic, which costs a
+    few late answers that then measure it within one deadline, where a pessimistic guess would
+    refuse those requests for good and never learn otherwise. The bound never falls as the
+    prediction grows (a larger prediction is planned for at least what the largest smaller
+    one was), so `saturated` may judge a request by a one-token version of it. Until any class
+    is measured, the priors stand in: `max(p * prior_ratio, p + prior_excess_s)`.
 
     `live_excess_s` is set by the admission controller from requests still in flight that are
     already later than their bound (censored samples: their actual excess is at least this). It
@@ -119,15 +130,18 @@ class Calibration:
         min_samples: int,
         prior_ratio: float,
         prior_excess_s: float,
+        max_age_s: float = 30.0,
     ) -> None:
         self.quantile = quantile
         self.min_samples = min_samples
         self.prior_ratio = prior_ratio
         self.prior_excess_s = prior_excess_s
-        self._excess = [deque[float](maxlen=window) for _ in range(len(EDGES_S) + 1)]
-        self._dirty: set[int] = set()
-        self._measured: list[float | None] = [None] * (len(EDGES_S) + 1)
-        self._envelope: list[float | None] = [None] * (len(EDGES_S) + 1)
+        self.max_age_s = max_age_s
+        n = len(EDGES_S) + 1
+        self._samples = [deque[tuple[float, float]](maxlen=window) for _ in range(n)]  # (t, excess)
+        self._dirty = False
+        self._own: list[float | None] = [None] * n  # the excess planned for, per class
+        self._floor: list[float] = [0.0] * n  # the bound at the top of every smaller class
         self.live_excess_s = 0.0
 
     @staticmethod
@@ -136,31 +150,40 @@ class Calibration:
 
     @property
     def samples(self) -> int:
-        return sum(len(d) for d in self._excess)
+        return sum(len(d) for d in self._samples)
 
-    def observe(self, predicted_s: float, actual_s: float) -> None:
-        k = self.size_class(predicted_s)
-        self._excess[k].append(actual_s - predicted_s)
-        self._dirty.add(k)
+    def observe(self, predicted_s: float, actual_s: float, now_s: float) -> None:
+        self._samples[self.size_class(predicted_s)].append((now_s, actual_s - predicted_s))
+        self._dirty = True
 
-    def refresh(self) -> None:
+    def refresh(self, now_s: float) -> None:
+        old = now_s - self.max_age_s
+        for d in self._samples:
+            while d and d[0][0] < old:
+                d.popleft()
+                self._dirty = True
         if not self._dirty:
             return
-        for k in self._dirty:
-            if len(self._excess[k]) >= self.min_samples:
-                self._measured[k] = _quantile(self._excess[k], self.quantile)
-        self._dirty.clear()
-        top: float | None = None
-        first = next((m for m in self._measured if m is not None), None)
-        for k, m in enumerate(self._measured):
+        self._dirty = False
+        measured = [
+            _quantile(deque(e for _, e in d), self.quantile) if len(d) >= self.min_samples else None
+            for d in self._samples
+        ]
+        first = next((m for m in measured if m is not None), None)
+        below: float | None = None
+        top = 0.0
+        for k, m in enumerate(measured):
             if m is not None:
-                top = m if top is None else max(top, m)
-            # below the smallest measured class: that class's figure (None: nothing measured)
-            self._envelope[k] = top if top is not None else first
+                below = m
+            own = below if below is not None else first
+            self._own[k] = own
+            self._floor[k] = top
+            if own is not None and k < len(EDGES_S):
+                top = max(top, EDGES_S[k] + own)
 
     def excess_s(self, predicted_s: float) -> float | None:
         """The measured excess planned for at this prediction size (None: nothing measured)."""
-        return self._envelope[self.size_class(predicted_s)]
+        return self._own[self.size_class(predicted_s)]
 
     def bound(self, predicted_s: float) -> float:
         """The time to plan for when the model predicts `predicted_s`."""
@@ -172,10 +195,11 @@ class Calibration:
         return elapsed_s > self._measured_bound(predicted_s)
 
     def _measured_bound(self, p: float) -> float:
-        e = self._envelope[bisect_left(EDGES_S, p)]
+        k = bisect_left(EDGES_S, p)
+        e = self._own[k]
         if e is None:
             return max(p * self.prior_ratio, p + self.prior_excess_s)
-        return p + max(e, 0.0)
+        return max(p + e, self._floor[k], 0.0)
 
 
 class RecentMax:

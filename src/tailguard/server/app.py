@@ -378,6 +378,8 @@ class App:
     async def _metrics(self, call: Call) -> None:
         for single_pass, cal in self.admission.calibration.items():
             self.metrics.calibration_now(single_pass, cal, EDGES_S)
+        self.metrics.step_cost.labels("a").set(self.admission.cost.a)
+        self.metrics.step_cost.labels("b").set(self.admission.cost.b)
         call.respond(200, self.metrics.render(), [(b"content-type", CONTENT_TYPE.encode())])
 
     async def _models(self, call: Call) -> None:

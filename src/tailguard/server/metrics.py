@@ -154,6 +154,13 @@ class ServerMetrics:
             ["kind", "le"],
             registry=r,
         )
+        self.step_cost = Gauge(
+            "tailguard_admission_step_cost_seconds",
+            "Admission's fit of the engine step time, a + b * tokens: term a (s per step) and b "
+            "(s per token)",
+            ["term"],
+            registry=r,
+        )
         self.cache_hits = Counter(
             "tailguard_cache_hits", "Answered from the degradation cache", ["reason"], registry=r
         )
