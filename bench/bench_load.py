@@ -38,6 +38,7 @@ from typing import Any
 from tailguard.tools.load.analysis import LoadResult
 from tailguard.tools.load.config import LoadConfig, Profile, SourceSpec, parse_sla
 from tailguard.tools.load.runner import raise_nofile_limit, run_load
+from tailguard.tools.load.schedule import intended_times
 
 try:
     import uvloop
@@ -314,6 +315,10 @@ def _llm_summary(res: LoadResult) -> dict[str, Any]:
     }
 
 
+def _arrivals(rate: float, n: int, seed: int) -> int:
+    return len(list(intended_times(Profile("poisson", rate=rate, duration_s=n / rate, seed=seed))))
+
+
 def bench_sweep(seconds: float, steps: int, out_dir: Path, venv: Path) -> dict[str, Any]:
     """The real server swept by tailguard load, then cross-checked against vllm bench serve."""
     out: dict[str, Any] = {}
@@ -345,8 +350,11 @@ def bench_sweep(seconds: float, steps: int, out_dir: Path, venv: Path) -> dict[s
                         round(pts[-1]["offered_rps"], 2)})  # fmt: skip
         checks = []
         for k, rate in enumerate(rates):
-            n = max(10, round(rate * seconds))
-            prof = Profile("poisson", rate=rate, duration_s=n / rate, seed=k)
+            n = max(40, round(rate * 2 * seconds))
+            # both tools send n requests with Poisson arrivals at `rate`: pick the first seed
+            # whose schedule has exactly n arrivals, so the realised rates match too
+            seed = next(s for s in range(100_000) if _arrivals(rate, n, s) == n)
+            prof = Profile("poisson", rate=rate, duration_s=n / rate, seed=seed)
             spec = SourceSpec(input_len=(LLM_IN, LLM_IN), output_len=(LLM_OUT, LLM_OUT), seed=k)
             cfg = LoadConfig(srv.url, prof, endpoint="completions", stream=True, source=spec,
                              timeout_s=60)  # fmt: skip

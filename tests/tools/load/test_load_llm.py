@@ -197,3 +197,14 @@ def test_dataset_in_batch_format_drives_the_load(local_server, tmp_path: Path) -
     assert "BODIES REPEAT: 50 requests cycle through 25 bodies" in result["config"]["source_text"]
     assert result["config"]["source"]["distinct_bodies"] == 25
     assert result["summary"]["output_tokens"]["total"] == 200  # usage of 50 x 4 tokens
+
+
+def test_probe_workers_wait_out_a_refusal_instead_of_hammering(local_server) -> None:
+    srv = local_server("--fail-every", "1")  # every request: 503 with Retry-After: 1
+    prof = Profile("ramp", to_inflight=2, steps=1, hold_s=0.5)
+    res = asyncio.run(run_load(LoadConfig(srv.url, prof, reject_backoff_s=0.2)))
+    # each of 2 workers: a refusal, 0.2 s wait, ... over 0.5 s: 3 requests
+    assert res.summary.total == srv.stats()["requests"] == 6, res.summary.total
+    assert all(r.retry_after_s == 1.0 for r in res.records)
+    hammered = asyncio.run(run_load(LoadConfig(srv.url, prof)))
+    assert hammered.summary.total > 50  # without the wait: as fast as refusals come back

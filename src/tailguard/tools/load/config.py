@@ -379,6 +379,7 @@ class LoadConfig:
     source: SourceSpec = field(default_factory=SourceSpec)
     slo_attainment: float = 0.99  # share of requests a per-request SLO term must hold for
     body_offset: int = 0  # first body index (a sweep's steps continue where the last ended)
+    reject_backoff_s: float = 0.0  # closed-loop: wait out a refusal's Retry-After, at most this
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):

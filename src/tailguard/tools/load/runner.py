@@ -344,6 +344,13 @@ async def _open_loop(cfg: LoadConfig, sender: _Sender, st: _State) -> None:
         await asyncio.gather(*tasks)
 
 
+async def _backoff(cfg: LoadConfig, rec: RequestRecord) -> None:
+    """A closed-loop worker refused with Retry-After waits (capped) instead of re-sending at once:
+    a server that refuses in microseconds would otherwise be hammered by its own refusals."""
+    if cfg.reject_backoff_s > 0 and not rec.ok and rec.retry_after_s:
+        await asyncio.sleep(min(rec.retry_after_s, cfg.reject_backoff_s))
+
+
 async def _closed_loop(cfg: LoadConfig, sender: _Sender, st: _State) -> None:
     """hey-like workers, but exactly `requests` are sent (hey sends (n // c) * c)."""
     total = cfg.profile.requests
@@ -354,6 +361,7 @@ async def _closed_loop(cfg: LoadConfig, sender: _Sender, st: _State) -> None:
             rec = RequestRecord(len(st.records), time.perf_counter() - st.t0)
             st.records.append(rec)
             await sender.send(rec)
+            await _backoff(cfg, rec)
 
     await asyncio.gather(*(worker() for _ in range(cfg.profile.concurrency)))
 
@@ -369,6 +377,7 @@ async def _inflight_ramp(cfg: LoadConfig, sender: _Sender, st: _State) -> None:
             rec = RequestRecord(len(st.records), time.perf_counter() - st.t0)
             st.records.append(rec)
             await sender.send(rec)
+            await _backoff(cfg, rec)
 
     workers: list[asyncio.Task[None]] = []
     for step, level in enumerate(p.ramp_levels()):
