@@ -15,7 +15,7 @@ from tailguard.tools.load.html_report import FAIL_COLOR, MB, MT, OK_COLOR, SLA_C
 
 __all__ = ["Series", "line_chart", "render_sweep_html", "sweep_charts"]
 
-ORANGE, GREY = "#ff7f0e", "#999"
+ORANGE, GREY, KNEE_COLOR = "#ff7f0e", "#999", "#9467bd"
 _STYLE = """<style>
 body { font-family: sans-serif; margin: 24px; color: #222; max-width: 960px; }
 table { border-collapse: collapse; margin: 8px 0 16px; }
@@ -106,23 +106,26 @@ def sweep_charts(runs: Sequence[tuple[str, dict[str, Any]]], colors: Sequence[st
     tok: list[Series] = []
     vlines: list[tuple[float, str, str]] = []
     bounds: set[float] = set()
+    single = len(runs) == 1  # one run: a colour per measure; two: a colour per run
     for (name, d), color in zip(runs, colors, strict=False):
         pts = d.get("points") or []
-        prefix = f"{name}: " if len(runs) > 1 else ""
+        prefix = "" if single else f"{name}: "
+        second = SLA_COLOR if single else color
         tp.append(Series(f"{prefix}throughput", color, _pts(pts, "throughput_rps")))
         good = _pts(pts, "goodput_rps")
         if good:
-            tp.append(Series(f"{prefix}goodput", color, good, dashed=True))
+            tp.append(Series(f"{prefix}goodput", second, good, dashed=True))
         lat.append(Series(f"{prefix}p99 latency", color, _pts(pts, "latency_p99_s")))
         ttft = _pts(pts, "ttft_p99_s")
         if ttft:
-            lat.append(Series(f"{prefix}p99 TTFT", color, ttft, dashed=True))
+            lat.append(Series(f"{prefix}p99 TTFT", ORANGE if single else color, ttft, dashed=True))
         out = _pts(pts, "output_tokens_per_s")
         if any(y > 0 for _, y in out):
             tok.append(Series(f"{prefix}output tokens/s", color, out))
         knee = d.get("knee")
         if knee and knee.get("offered_rps"):
-            vlines.append((float(knee["offered_rps"]), f"{prefix}knee", color))
+            rate = float(knee["offered_rps"])
+            vlines.append((rate, f"{prefix}knee {rate:.3g}/s", KNEE_COLOR if single else color))
         for text in (d.get("config") or {}).get("sla", []):
             b = _bound_of(text)
             if b is not None:
