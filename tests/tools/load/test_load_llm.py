@@ -126,22 +126,17 @@ def test_sweep_finds_the_knee_of_a_known_capacity(local_server, tmp_path: Path) 
 
 
 def test_sweep_with_given_rates_and_compare(local_server, tmp_path: Path, capsys) -> None:
-    srv = local_server("--capacity", "4", "--delay", "0.05")
-    for name, hi in (("a", "130"), ("b", "130")):
+    """A: capacity 4 (80/s), 6 steps; B: capacity 8 (160/s), 3 steps over the same range."""
+    for name, capacity, steps in (("a", "4", "6"), ("b", "8", "3")):
+        srv = local_server("--capacity", capacity, "--delay", "0.05")
         main(
-            ["load", srv.url, "--profile", "sweep", "--rate", "20", "--to-rate", hi]  # noqa: RUF005
-            + ["--steps", "6", "--duration", "1s", "--arrivals", "constant"]
+            ["load", srv.url, "--profile", "sweep", "--rate", "20", "--to-rate", "130"]  # noqa: RUF005
+            + ["--steps", steps, "--duration", "1s", "--arrivals", "constant"]
             + ["--sla", "p90<=100ms", "--report", str(tmp_path / name), "--quiet", *LENIENT]
         )
     a = json.loads((tmp_path / "a" / "result.json").read_text())
-    assert a["probes"] == [] and [p["offered_rps"] for p in a["points"]] == [
-        20,
-        42,
-        64,
-        86,
-        108,
-        130,
-    ]
+    assert a["probes"] == []
+    assert [p["offered_rps"] for p in a["points"]] == [20, 42, 64, 86, 108, 130]
     assert a["knee"]["offered_rps"] == 64  # 86/s over 80/s: a third of requests queue > 50 ms
     capsys.readouterr()
     out = tmp_path / "cmp"
@@ -149,10 +144,17 @@ def test_sweep_with_given_rates_and_compare(local_server, tmp_path: Path, capsys
                  "--report", str(out), "--json", "--quiet"])  # fmt: skip
     assert code == 0
     rows = {r["metric"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
-    assert rows["knee (offered)"]["a"] == 64 and "p99 latency at 64/s" in rows
-    assert "goodput at 130/s" in rows
+    knee = rows["knee (offered)"]
+    assert (knee["a"], knee["b"], knee["ratio"]) == (64, 130, 130 / 64)  # B holds every step
+    # rates both sweeps have: 20 and 130 (B's 75 is not one of A's)
+    assert {m for m in rows if m.startswith("goodput at")} == {
+        "goodput at 20/s",
+        "goodput at 130/s",
+    }
+    assert rows["goodput at 130/s"]["ratio"] > 1.5  # A is saturated there, B is not
     page = (out / "compare.html").read_text()
     assert page.count("<svg") == 2 and "a: throughput" in page and "b: throughput" in page
+    assert "a: knee 64/s" in page and "b: knee 130/s" in page
 
 
 def test_compare_two_single_runs_with_ratios(local_server, tmp_path: Path, capsys) -> None:

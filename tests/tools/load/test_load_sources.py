@@ -217,3 +217,33 @@ def test_sweep_rates_and_knee_rule() -> None:
     knee, rule = find_knee(pts, with_sla=False)  # 24 < 90 % of 30
     assert knee is not None and knee.offered_rps == 20 and "90%" in rule
     assert find_knee([_point(10, False, 1)], with_sla=True)[0] is None
+
+
+def test_random_chat_text_from_a_tokenizer_vocabulary(tmp_path: Path) -> None:
+    """--tokenizer DIR: chat prompts decoded from the vocabulary, without importing torch."""
+    import subprocess
+    import sys
+
+    from tailguard.model.embedded import TOKENIZER_FILE, mistral_v1_tokenizer_path
+
+    (tmp_path / TOKENIZER_FILE).write_bytes(mistral_v1_tokenizer_path().read_bytes())
+    code = (
+        "import sys, orjson\n"
+        "from tailguard.tools.load.config import LoadConfig, Profile, SourceSpec\n"
+        "from tailguard.tools.load.sources import BodySource\n"
+        f"spec = SourceSpec(input_len=(40, 40), tokenizer={str(tmp_path)!r})\n"
+        "cfg = LoadConfig('http://h:1', Profile('burst', count=1), endpoint='chat', source=spec)\n"
+        "src = BodySource(cfg)\n"
+        "tok = src.tokenizer\n"
+        "text = orjson.loads(src.body(0).data)['messages'][0]['content']\n"
+        "n = len(tok.encode(text, add_bos=False))\n"
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('tailguard.engine')]\n"
+        "print(src.id_range, n, bad, src.body(0).input_tokens)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    id_range, rest = out.stdout.split(")", 1)
+    n, bad, planned = rest.split(maxsplit=2)
+    assert id_range == "(259, 32000"  # past the specials and byte tokens of the v1 vocabulary
+    assert 30 <= int(n) <= 60  # decoded text re-encodes to about as many tokens
+    assert bad == "[]" and planned.strip() == "None"  # text: the server's usage counts it

@@ -203,8 +203,8 @@ class BodySource:
             if s.input_len is not None:
                 in_len = _draw(rng, s.input_len)
                 obj = self._random_body(rng, in_len)
-                if cfg.endpoint == "chat" and self.tokenizer is None:
-                    in_len = None  # words, not tokens: the server's usage count tells
+                if cfg.endpoint == "chat":
+                    in_len = None  # text (and a chat template): the server's usage count tells
             else:
                 in_len = None
                 if cfg.body is not None:  # --body: the one fixed body the user asked for
