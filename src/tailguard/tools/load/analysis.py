@@ -27,7 +27,9 @@ __all__ = [
     "RunFacts",
     "SlaResult",
     "Summary",
+    "TokenCounts",
     "analyse",
+    "meets",
     "percentiles_of",
 ]
 
@@ -48,6 +50,8 @@ class RunFacts:
     nofile_limit: int  # RLIMIT_NOFILE soft limit the run had
     event_loop: str  # "uvloop" or "asyncio"
     machine_cpu: float = 0.0  # whole machine busy share (all cores) during the run
+    source: dict[str, object] = field(default_factory=dict)  # where the bodies came from
+    source_text: str = ""  # the same, one line for the header
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,28 @@ def percentiles_of(values: list[float]) -> Percentiles:
 
 
 @dataclass(frozen=True)
+class TokenCounts:
+    """Token counts per request, as the server's usage reported them."""
+
+    requests: int  # requests whose response carried a count
+    total: int
+    min: int | None
+    mean: float | None
+    max: int | None
+
+
+def _counts(values: list[int]) -> TokenCounts:
+    if not values:
+        return TokenCounts(0, 0, None, None, None)
+    n, tot = len(values), sum(values)
+    return TokenCounts(n, tot, min(values), tot / n, max(values))
+
+
+_EMPTY = Percentiles(0, None, None, None, None, None, None, None)
+_NO_TOKENS = TokenCounts(0, 0, None, None, None)
+
+
+@dataclass(frozen=True)
 class Summary:
     total: int  # requests sent (every one is counted)
     ok: int
@@ -101,6 +127,18 @@ class Summary:
     connect: Percentiles  # TCP(+TLS) setup of new connections
     share_within: dict[str, float]  # bound seconds (str) -> share of ALL requests ok within it
     slow_over: dict[str, int]  # bound seconds (str) -> requests not ok-within it
+    # token-level measures (streams; counts from the server's usage)
+    ttft: Percentiles = _EMPTY  # intended send -> first content event, ok requests
+    tpot: Percentiles = _EMPTY  # time per output token after the first, ok requests
+    itl: Percentiles = _EMPTY  # every gap between content events, ok requests
+    prompt_tokens: TokenCounts = _NO_TOKENS
+    output_tokens: TokenCounts = _NO_TOKENS
+    requests_per_s: float = 0.0  # ok requests / wall time (vLLM's "request throughput")
+    output_tokens_per_s: float = 0.0  # output tokens of ok requests / wall time
+    total_tokens_per_s: float = 0.0  # prompt + output tokens of ok requests / wall time
+    goodput_terms: tuple[str, ...] = ()  # what a good request met (DistServe goodput)
+    good: int | None = None  # requests that met every goodput term
+    slo_met: dict[str, int] = field(default_factory=dict)  # SLO term -> requests meeting it
 
 
 @dataclass(frozen=True)
@@ -178,7 +216,10 @@ class LoadResult:
                 "open_loop": p.open_loop,
                 "latency_measured_from": "intended send time" if p.open_loop else "send time",
                 "sla": [s.text for s in cfg.sla],
+                "slo_attainment": cfg.slo_attainment,
                 "metrics_url": cfg.metrics_url,
+                "source": self.facts.source,
+                "source_text": self.facts.source_text,
             },
             "wall_s": self.facts.wall_s,
             "summary": asdict(self.summary),
@@ -209,7 +250,21 @@ def _summary(cfg: LoadConfig, recs: list[RequestRecord], wall_s: float) -> Summa
     window = planned if planned else wall_s
     within = {b: sum(1 for r in recs if r.ok and r.latency_s <= b) for b in bounds}
     gb = cfg.goodput_bound_s()
-    good = sum(1 for r in recs if r.ok and r.latency_s <= gb) if gb is not None else None
+    terms = cfg.slo_terms()
+    good: int | None = None
+    goodput_terms = tuple(t.text for t in terms)
+    if gb is not None:
+        goodput_terms = (f"e2e<={_ms(gb)}", *goodput_terms)
+    if gb is not None or terms:
+        good = sum(
+            1
+            for r in recs
+            if r.ok and (gb is None or r.latency_s <= gb) and all(meets(t, r) for t in terms)
+        )
+    oks = [r for r in recs if r.ok]
+    prompt = [r.prompt_tokens for r in oks if r.prompt_tokens is not None]
+    output = [r.output_tokens for r in oks if r.output_tokens is not None]
+    per_wall = 1 / wall_s if wall_s > 0 else 0.0
     return Summary(
         total=total,
         ok=ok,
@@ -229,15 +284,57 @@ def _summary(cfg: LoadConfig, recs: list[RequestRecord], wall_s: float) -> Summa
         connect=percentiles_of([r.connect_s for r in recs if r.connect_s is not None]),
         share_within={_share_key(b): (n / total if total else 0.0) for b, n in within.items()},
         slow_over={_share_key(b): total - n for b, n in within.items()},
+        ttft=percentiles_of([r.ttft_s for r in oks if r.ttft_s is not None]),
+        tpot=percentiles_of([r.tpot_s for r in oks if r.tpot_s is not None]),
+        itl=percentiles_of([g for r in oks if r.itl_s for g in r.itl_s]),
+        prompt_tokens=_counts(prompt),
+        output_tokens=_counts(output),
+        requests_per_s=len(oks) * per_wall,
+        output_tokens_per_s=sum(output) * per_wall,
+        total_tokens_per_s=(sum(prompt) + sum(output)) * per_wall,
+        goodput_terms=goodput_terms,
+        good=good,
+        slo_met={t.text: sum(1 for r in recs if meets(t, r)) for t in terms},
     )
+
+
+def meets(term: SlaCheck, r: RequestRecord) -> bool:
+    """Whether one request met one per-request SLO term; a failed request never does."""
+    if not r.ok:
+        return False
+    bound = term.threshold
+    if term.metric == "e2e":
+        return r.latency_s <= bound
+    if r.ttft_s is None:  # no content event: no token timings to hold
+        return False
+    if term.metric == "ttft":
+        return r.ttft_s <= bound
+    if term.metric == "tpot":  # a one-token answer has no time per output token: 0
+        return (r.tpot_s or 0.0) <= bound
+    return max(r.itl_s or [0.0]) <= bound  # itl: every gap of the request
 
 
 def _ms(s: float | None) -> str:
     return "n/a" if s is None else f"{s * 1000:.1f} ms"
 
 
-def _check(s: SlaCheck, sm: Summary) -> SlaResult:
+_SLO_FIGURE = {"ttft": "ttft", "tpot": "tpot", "itl": "itl", "e2e": "latency"}
+
+
+def _check(s: SlaCheck, sm: Summary, attainment: float) -> SlaResult:
     total = sm.total or 1
+    if s.per_request:
+        met = sm.slo_met.get(s.text, 0)
+        allowed_bad = math.floor(sm.total * (1 - attainment) + 1e-9)
+        pct: Percentiles = getattr(sm, _SLO_FIGURE[s.metric])
+        at = _pct_value(pct, attainment * 100)
+        return SlaResult(
+            s.text,
+            sm.total > 0 and sm.total - met <= allowed_bad,
+            f"{met / total:.2%} met",
+            f"{met} of {sm.total} requests ok with {s.metric} <= {_ms(s.threshold)} (needs "
+            f">= {attainment:.2%}); {s.metric} p{attainment * 100:g} {_ms(at)}",
+        )
     if s.metric in ("percentile", "max"):
         share = sm.share_within[_share_key(s.threshold)]
         need = 1.0 if s.metric == "max" else (s.percentile or 0) / 100
@@ -269,7 +366,7 @@ def _check(s: SlaCheck, sm: Summary) -> SlaResult:
             s.text,
             good >= s.threshold,
             f"{good:.1f}/s",
-            f"requests ok within {_ms(sm.goodput_bound_s)} per second over "
+            f"{sm.good} requests ok meeting {', '.join(sm.goodput_terms)} over "
             f"{sm.rate_window_s:.2f} s",
         )
     return SlaResult(
@@ -370,7 +467,7 @@ def analyse(
         facts=facts,
         summary=summary,
         client=_health(cfg, recs, samples, facts),
-        sla=[_check(s, summary) for s in cfg.sla],
+        sla=[_check(s, summary, cfg.slo_attainment) for s in cfg.sla],
         server=server,
         could_not_start=_could_not_start(recs),
         records=recs,

@@ -1,4 +1,7 @@
-"""`tailguard load URL ...`: open-loop load test and SLA gate.
+"""`tailguard load URL ...`: open-loop load test, LLM serving benchmark and SLA gate.
+
+    tailguard load URL [source] [profile] [--sla ...]      one run, or --profile sweep
+    tailguard load compare A.json B.json [--report DIR]     two saved runs side by side
 
 Exit codes: 0 every --sla term holds; 1 one fails; 2 the run could not start or could not be
 trusted (the client itself lagged or saturated), so its numbers must not pass or fail a gate.
@@ -11,25 +14,38 @@ import asyncio
 import json
 import sys
 from collections.abc import Coroutine
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.live import Live
+from rich.table import Table
 from rich.text import Text
 
 from tailguard.errors import ConfigError
 from tailguard.tools.load.analysis import LoadResult
+from tailguard.tools.load.compare import (
+    compare_rows,
+    fmt,
+    fmt_ratio,
+    load_result,
+    render_compare_html,
+)
 from tailguard.tools.load.config import (
     ENDPOINT_PATHS,
     LoadConfig,
     Profile,
+    SourceSpec,
     TrustLimits,
     parse_duration,
+    parse_length,
     parse_sla,
 )
 from tailguard.tools.load.report import print_summary, write_report
 from tailguard.tools.load.runner import Progress, run_load
+from tailguard.tools.load.sources import BodySource
+from tailguard.tools.load.sweep import run_sweep, write_sweep_report
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -47,11 +63,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  ramp --to-inflight N --steps K --hold D   closed-loop steps of in-flight requests\n"
         "  burst --count N                       N requests at once\n"
         "  closed --concurrency C --requests N   hey-like closed loop; sends exactly N\n"
+        "  sweep --duration D [--steps N]        probe the max, then N rates up to and past it\n"
+        "request sources: (default) --prompt with a per-request suffix | --dataset FILE |\n"
+        "  --random-input-len N[:M] [--random-output-len N[:M]] [--tokenizer DIR|embedded]\n"
         "SLA terms: p99<=150ms  max<=200ms  errors<=0.1%  goodput>=500/s  goodput(150ms)>=500/s"
         "  throughput>=1000/s\n"
+        "SLO terms (per request, combined into goodput): ttft<=150ms  tpot<=50ms  itl<=100ms"
+        "  e2e<=2s\n"
+        "compare: tailguard load compare A.json B.json [--report DIR] [--json]\n"
         "exit: 0 SLA holds, 1 SLA fails, 2 run untrustworthy or could not start"
     )
-    parser.add_argument("url", help="base URL (http://host:port); the full URL for --endpoint raw")
+    parser.add_argument(
+        "url",
+        help="base URL (http://host:port); the full URL for --endpoint raw; or 'compare'",
+    )
+    parser.add_argument("files", nargs="*", help=argparse.SUPPRESS)  # compare A B
     parser.add_argument("--endpoint", default="infer", choices=list(ENDPOINT_PATHS))
     parser.add_argument(
         "--body", type=Path, metavar="FILE", help="JSON body file (required for raw)"
@@ -60,11 +86,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=None, help="prompt text for built bodies")
     parser.add_argument("--stream", action="store_true", help="SSE for completions/chat")
     parser.add_argument("--header", action="append", default=[], help="'Name: value'")
+    r = parser.add_argument_group("request source (every request different unless said)")
+    r.add_argument("--dataset", metavar="FILE", help="JSONL of bodies or OpenAI Batch input lines")
+    r.add_argument("--random-input-len", metavar="N[:M]", help="random prompts of N..M tokens")
+    r.add_argument("--random-output-len", metavar="N[:M]", help="max_tokens N..M + ignore_eos")
+    r.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="vocabulary for random prompts: a model folder or 'embedded'",
+    )
     g = parser.add_argument_group("profile")
     g.add_argument(
         "--profile",
         default="constant",
-        choices=["constant", "poisson", "ramp", "burst", "closed"],
+        choices=["constant", "poisson", "ramp", "burst", "closed", "sweep"],
     )
     g.add_argument("--rate", type=float, help="requests/s (ramp: start rate)")
     g.add_argument("--duration", help="sending time, e.g. 30s, 2m")
@@ -73,11 +108,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--requests", type=int, help="closed-loop total requests (sent exactly)")
     g.add_argument("--to-rate", type=float, help="ramp target rate")
     g.add_argument("--to-inflight", type=int, help="ramp target in-flight requests")
-    g.add_argument("--steps", type=int, default=5, help="ramp steps (default 5)")
+    g.add_argument("--steps", type=int, help="ramp steps (default 5), sweep rate steps (8)")
     g.add_argument("--hold", help="ramp: time held per step, e.g. 10s")
-    g.add_argument("--seed", type=int, default=0, help="poisson arrival seed")
+    g.add_argument("--seed", type=int, default=0, help="poisson arrivals, random bodies")
+    g.add_argument(
+        "--arrivals", choices=["poisson", "constant"], default="poisson", help="sweep steps"
+    )
     s = parser.add_argument_group("gate and output")
     s.add_argument("--sla", action="append", default=[], help='e.g. "p99<=150ms" (repeatable)')
+    s.add_argument(
+        "--slo-attainment",
+        default="99%",
+        help="share of requests an SLO term (ttft, tpot, itl, e2e) must hold for (default 99%%)",
+    )
     s.add_argument("--timeout", default="30s", help="per request (default 30s)")
     s.add_argument("--metrics-url", help="server /metrics to scrape before and after")
     s.add_argument(
@@ -93,7 +136,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
 
 
+def _share(text: str, what: str) -> float:
+    t = text.strip()
+    try:
+        return float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise ConfigError(f"{what} {text!r}: write a share, e.g. 99% or 0.9") from None
+
+
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
+    if args.files:
+        raise ConfigError(f"unexpected arguments {args.files}; only 'compare' takes two files")
+    steps = args.steps if args.steps is not None else (8 if args.profile == "sweep" else 5)
     profile = Profile(
         kind=args.profile,
         rate=args.rate,
@@ -103,8 +157,24 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         requests=args.requests,
         to_rate=args.to_rate,
         to_inflight=args.to_inflight,
-        steps=args.steps,
+        steps=steps,
         hold_s=parse_duration(args.hold, what="--hold") if args.hold else None,
+        seed=args.seed,
+        arrivals=args.arrivals,
+    )
+    source = SourceSpec(
+        dataset=args.dataset,
+        input_len=(
+            parse_length(args.random_input_len, what="--random-input-len")
+            if args.random_input_len
+            else None
+        ),
+        output_len=(
+            parse_length(args.random_output_len, what="--random-output-len")
+            if args.random_output_len
+            else None
+        ),
+        tokenizer=args.tokenizer,
         seed=args.seed,
     )
     body = None
@@ -136,6 +206,8 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         ),
         metrics_url=args.metrics_url,
         headers=tuple(headers),
+        source=source,
+        slo_attainment=_share(args.slo_attainment, "--slo-attainment"),
         **extra,
     )
 
@@ -168,11 +240,16 @@ def _run_loop(coro: Coroutine[Any, Any, T], loop_kind: str) -> T:
 
 def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
+    if args.url == "compare":
+        return run_compare(args, err)
     try:
         cfg = config_from_args(args)
+        source = BodySource(cfg)
     except ConfigError as exc:
         err.print(f"[red]tailguard load: {exc.message}[/]")
         return 2
+    if cfg.profile.kind == "sweep":
+        return run_sweep_cli(args, cfg, source, err)
     show_progress = not args.quiet and err.is_terminal
     result: LoadResult
     try:
@@ -182,9 +259,9 @@ def run(args: argparse.Namespace) -> int:
                 def on_progress(p: Progress) -> None:
                     live.update(_progress_line(p), refresh=True)
 
-                result = _run_loop(run_load(cfg, on_progress), args.loop)
+                result = _run_loop(run_load(cfg, on_progress, source), args.loop)
         else:
-            result = _run_loop(run_load(cfg), args.loop)
+            result = _run_loop(run_load(cfg, source=source), args.loop)
     except (OSError, ValueError) as exc:
         err.print(f"[red]tailguard load: could not run: {exc}[/]")
         return 2
@@ -197,3 +274,127 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(result.to_dict(), default=str) + "\n")
     return result.exit_code()
+
+
+def run_sweep_cli(
+    args: argparse.Namespace, cfg: LoadConfig, source: BodySource, err: Console
+) -> int:
+    out = Console(stderr=args.json, width=None if err.is_terminal else 130)
+    show_progress = not args.quiet and err.is_terminal
+
+    def on_step(label: str, res: LoadResult) -> None:
+        if args.quiet:
+            return
+        s = res.summary
+        good = f"  goodput {s.good / res.facts.wall_s:,.2f}/s" if s.good is not None else ""
+        ttft = f"  TTFT p99 {s.ttft.p99 * 1e3:,.1f} ms" if s.ttft.p99 is not None else ""
+        p99 = f"{s.latency.p99 * 1e3:,.1f} ms" if s.latency.p99 is not None else "-"
+        out.print(
+            f"{label:>16}: sent {s.total:,}  ok {s.ok:,}  {s.requests_per_s:,.2f} ok/s{good}  "
+            f"p99 {p99}{ttft}  {res.verdict()}"
+        )
+
+    try:
+        if show_progress:
+            with Live(console=err, auto_refresh=False, transient=True) as live:
+
+                def on_progress(p: Progress) -> None:
+                    live.update(_progress_line(p), refresh=True)
+
+                result = _run_loop(
+                    run_sweep(cfg, source=source, on_step=on_step, progress=on_progress),
+                    args.loop,
+                )
+        else:
+            result = _run_loop(run_sweep(cfg, source=source, on_step=on_step), args.loop)
+    except (OSError, ValueError) as exc:
+        err.print(f"[red]tailguard load: could not run: {exc}[/]")
+        return 2
+    d = result.to_dict()
+    if not args.quiet:
+        print_sweep(d, out)
+    if args.report is not None:
+        paths = write_sweep_report(result, args.report, csv=args.csv)
+        if not args.quiet:
+            err.print("report: " + ", ".join(str(p) for p in paths) + f", {args.report}/steps/")
+    if args.json:
+        sys.stdout.write(json.dumps(d, default=str) + "\n")
+    return result.exit_code()
+
+
+def print_sweep(d: dict[str, Any], con: Console) -> None:
+    cfg = d["config"]
+    con.print(f"[bold]tailguard load sweep[/] {cfg['url']}  {cfg['profile_text']}")
+    con.print(f"bodies: {cfg['source_text']}")
+    t = Table(title="sweep (throughput and goodput per second of wall time)")
+    cols = ("step", "offered/s", "sent", "ok/s", "goodput/s", "good", "p50 ms", "p99 ms")
+    for col in (*cols, "TTFT p99", "TPOT p99", "out tok/s", "SLA"):
+        t.add_column(col, justify="left" if col == "step" else "right")
+    knee = (d.get("knee") or {}).get("label")
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:,.1f}"
+
+    for q in [*d["probes"], *d["points"]]:
+        share = q["good_share"]
+        t.add_row(
+            q["label"] + (" <- knee" if q["label"] == knee else ""),
+            "-" if q["offered_rps"] is None else f"{q['offered_rps']:,.2f}",
+            f"{q['total']:,}",
+            f"{q['throughput_rps']:,.2f}",
+            "-" if q["goodput_rps"] is None else f"{q['goodput_rps']:,.2f}",
+            "-" if share is None else f"{share:.1%}",
+            ms(q["latency_p50_s"]),
+            ms(q["latency_p99_s"]),
+            ms(q["ttft_p99_s"]),
+            ms(q["tpot_p99_s"]),
+            f"{q['output_tokens_per_s']:,.1f}",
+            ("PASS" if q["sla_passed"] else "FAIL") + ("" if q["trusted"] else " (untrusted)"),
+        )
+    con.print(t)
+    con.print(f"knee rule: {d['knee_rule']}")
+    code = d["exit_code"]
+    color = {0: "green", 1: "red", 2: "yellow"}[code]
+    con.print(f"[bold {color}]{d['verdict']}[/]  (exit {code})")
+
+
+def run_compare(args: argparse.Namespace, err: Console) -> int:
+    """`tailguard load compare A B`: exit 0 when both could be read and compared, else 2."""
+    if len(args.files) != 2:
+        err.print("[red]tailguard load compare: give two result.json files (or report dirs)[/]")
+        return 2
+    pa, pb = (Path(f) for f in args.files)
+    try:
+        a, b = load_result(pa), load_result(pb)
+        rows = compare_rows(a, b)
+    except ConfigError as exc:
+        err.print(f"[red]tailguard load {exc.message}[/]")
+        return 2
+    names = (_name(pa), _name(pb))
+    if not args.quiet:
+        con = Console(stderr=args.json, width=None if err.is_terminal else 130)
+        t = Table(title=f"A = {names[0]}   B = {names[1]}")
+        for col in ("metric", "A", "B", "B / A", "better"):
+            t.add_column(col, justify="left" if col == "metric" else "right")
+        for r in rows:
+            unit = f" ({r.unit})" if r.unit else ""
+            t.add_row(r.metric + unit, fmt(r.a, r.unit), fmt(r.b, r.unit), fmt_ratio(r), r.better)
+        con.print(t)
+    if args.report is not None:
+        args.report.mkdir(parents=True, exist_ok=True)
+        page = args.report / "compare.html"
+        page.write_text(render_compare_html(names, a, b, rows), encoding="utf-8")
+        table = [{**asdict(r), "ratio": r.ratio} for r in rows]
+        (args.report / "compare.json").write_text(
+            json.dumps({"a": str(pa), "b": str(pb), "rows": table}, indent=2) + "\n"
+        )
+        if not args.quiet:
+            err.print(f"report: {page}, {args.report / 'compare.json'}")
+    if args.json:
+        out = {"a": str(pa), "b": str(pb), "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}
+        sys.stdout.write(json.dumps(out) + "\n")
+    return 0
+
+
+def _name(path: Path) -> str:
+    return path.name if path.is_dir() else (path.parent.name or path.stem)

@@ -3,7 +3,10 @@
     LoadConfig
     ├── target: url, endpoint kind, body, model, stream, timeout
     ├── Profile       constant | poisson | ramp (to a rate or an in-flight count) | burst | closed
-    └── SlaCheck[]    parsed from "p99<=150ms", "max<=200ms", "errors<=0.1%", "goodput>=500/s"
+    │                 | sweep (probe the max, then step rates up to and past it)
+    ├── SourceSpec    default prompt (unique per request) | --dataset FILE | random lengths
+    └── SlaCheck[]    parsed from "p99<=150ms", "max<=200ms", "errors<=0.1%", "goodput>=500/s",
+                      and per-request SLO terms "ttft<=150ms", "tpot<=50ms", "itl<=", "e2e<=2s"
 
 Every error names the value that is wrong and how to write it instead (ConfigError).
 """
@@ -25,14 +28,17 @@ __all__ = [
     "Profile",
     "ProfileKind",
     "SlaCheck",
+    "SourceSpec",
     "TrustLimits",
     "build_body",
+    "endpoint_body",
     "parse_duration",
+    "parse_length",
     "parse_sla",
 ]
 
 EndpointKind = Literal["infer", "completions", "chat", "embeddings", "raw"]
-ProfileKind = Literal["constant", "poisson", "ramp", "burst", "closed"]
+ProfileKind = Literal["constant", "poisson", "ramp", "burst", "closed", "sweep"]
 
 # Appended to the base URL; `raw` posts to the URL exactly as given.
 ENDPOINT_PATHS: dict[str, str] = {
@@ -74,6 +80,7 @@ class Profile:
     steps: int = 5  # ramp: number of equal steps up to the target
     hold_s: float | None = None  # ramp: seconds each step is held
     seed: int = 0  # poisson: arrival-time seed, so a run can be repeated
+    arrivals: Literal["constant", "poisson"] = "poisson"  # sweep: arrival process of each step
 
     def __post_init__(self) -> None:
         k = self.kind
@@ -97,10 +104,12 @@ class Profile:
             "burst": {"count"},
             "closed": {"concurrency", "requests"},
             "ramp": {"rate", "to_rate", "to_inflight", "hold_s"},
+            "sweep": {"rate", "to_rate", "duration_s", "concurrency"},
         }
         if k not in allowed:
             raise ConfigError(
-                f"profile {k!r} is unknown; use one of constant, poisson, ramp, burst, closed"
+                f"profile {k!r} is unknown; use one of constant, poisson, ramp, burst, closed, "
+                "sweep"
             )
         extra = set(given) - allowed[k]
         if extra:
@@ -120,6 +129,25 @@ class Profile:
                     f"closed: --concurrency {self.concurrency} > --requests {self.requests}; "
                     "workers beyond the request count would send nothing; lower --concurrency"
                 )
+        elif k == "sweep":
+            _need_positive(k, "--duration", self.duration_s)
+            if self.steps < 2:
+                raise ConfigError(f"sweep: --steps must be >= 2, got {self.steps}")
+            if (self.rate is None) != (self.to_rate is None):
+                raise ConfigError(
+                    "sweep: give both --rate LOW and --to-rate HIGH to skip the probes, or "
+                    "neither (the sweep then measures them)"
+                )
+            if self.rate is not None:
+                _need_positive(k, "--rate", self.rate)
+                _need_positive(k, "--to-rate", self.to_rate)
+                assert self.to_rate is not None
+                if self.to_rate <= self.rate:
+                    raise ConfigError(
+                        f"sweep: --to-rate {self.to_rate:g} must be above --rate {self.rate:g}"
+                    )
+            if self.concurrency is not None:
+                _need_positive(k, "--concurrency", self.concurrency)
         else:  # ramp
             if (self.to_rate is None) == (self.to_inflight is None):
                 raise ConfigError(
@@ -161,7 +189,7 @@ class Profile:
 
     def planned_duration_s(self) -> float | None:
         """Seconds of sending for time-bounded profiles; None for count-bounded ones."""
-        if self.kind in ("constant", "poisson"):
+        if self.kind in ("constant", "poisson", "sweep"):
             return self.duration_s
         if self.kind == "ramp":
             assert self.hold_s is not None
@@ -176,9 +204,20 @@ class Profile:
             return f"burst of {self.count} at once"
         if k == "closed":
             return f"closed-loop {self.concurrency} workers, exactly {self.requests} requests"
+        if k == "sweep":
+            span = (
+                f"{self.rate:g} to {self.to_rate:g} req/s"
+                if self.rate is not None
+                else f"probed rates (max at {self.concurrency or SWEEP_CONCURRENCY} in flight)"
+            )
+            each = f"{self.duration_s:g} s each"
+            return f"sweep of {self.steps} {self.arrivals} steps over {span}, {each}"
         levels = ", ".join(f"{v:g}" for v in self.ramp_levels())
         unit = "req/s" if self.to_rate is not None else "in flight"
         return f"ramp {levels} {unit}, {self.hold_s:g} s per step"
+
+
+SWEEP_CONCURRENCY = 64  # sweep's throughput probe: requests held in flight to find the max
 
 
 def _need_positive(kind: str, flag: str, value: float | None) -> None:
@@ -188,9 +227,14 @@ def _need_positive(kind: str, flag: str, value: float | None) -> None:
         raise ConfigError(f"profile {kind!r}: {flag} must be a positive number, got {value}")
 
 
-SlaMetric = Literal["percentile", "max", "errors", "goodput", "throughput"]
+SlaMetric = Literal[
+    "percentile", "max", "errors", "goodput", "throughput", "ttft", "tpot", "itl", "e2e"
+]
+# Per-request SLO terms (DistServe): a request is good when it meets every one of them.
+PER_REQUEST_METRICS = ("ttft", "tpot", "itl", "e2e")
+STREAM_METRICS = ("ttft", "tpot", "itl")  # need token timings, i.e. --stream
 _SLA_RE = re.compile(
-    r"^\s*(?P<metric>p[0-9]+(?:\.[0-9]+)?|max|errors|goodput|throughput)"
+    r"^\s*(?P<metric>p[0-9]+(?:\.[0-9]+)?|max|errors|goodput|throughput|ttft|tpot|itl|e2e)"
     r"(?:\((?P<arg>[^)]*)\))?\s*(?P<op><=|>=)\s*(?P<num>[0-9]*\.?[0-9]+)\s*(?P<unit>us|ms|s|%|/s)?\s*$"
 )
 
@@ -214,14 +258,26 @@ class SlaCheck:
     def latency_bound_s(self) -> float | None:
         return self.threshold if self.metric in ("percentile", "max") else None
 
+    @property
+    def per_request(self) -> bool:
+        """A DistServe SLO term: checked on every request, all of them make goodput."""
+        return self.metric in PER_REQUEST_METRICS
+
 
 def parse_sla(text: str) -> SlaCheck:
     m = _SLA_RE.match(text)
-    hint = 'write e.g. "p99<=150ms", "max<=200ms", "errors<=0.1%", "goodput>=500/s"'
+    hint = (
+        'write e.g. "p99<=150ms", "max<=200ms", "errors<=0.1%", "goodput>=500/s", '
+        '"ttft<=150ms", "tpot<=50ms", "itl<=100ms", "e2e<=2s"'
+    )
     if not m:
         raise ConfigError(f"--sla {text!r}: cannot parse; {hint}")
     metric, op, unit = m["metric"], m["op"], m["unit"]
     num = float(m["num"])
+    if metric in PER_REQUEST_METRICS:
+        if op != "<=" or unit not in ("us", "ms", "s") or m["arg"]:
+            raise ConfigError(f"--sla {text!r}: an SLO term is '<=' with a time unit; {hint}")
+        return SlaCheck(text, metric, "<=", num * _UNIT_S[unit])  # type: ignore[arg-type]
     if metric.startswith("p") or metric == "max":
         if op != "<=" or unit not in ("us", "ms", "s"):
             raise ConfigError(f"--sla {text!r}: a latency term is '<=' with a time unit; {hint}")
@@ -263,6 +319,45 @@ class TrustLimits:
                 raise ConfigError(f"trust limit {name} must be > 0, got {getattr(self, name)}")
 
 
+def parse_length(text: str, *, what: str) -> tuple[int, int]:
+    """'128' -> (128, 128); '64:256' -> (64, 256): token counts drawn uniformly in [N, M]."""
+    lo_s, sep, hi_s = text.partition(":")
+    try:
+        lo = int(lo_s)
+        hi = int(hi_s) if sep else lo
+    except ValueError:
+        raise ConfigError(
+            f"{what} {text!r}: write N or N:M (token counts, e.g. 128 or 64:256)"
+        ) from None
+    if lo < 1 or hi < lo:
+        raise ConfigError(f"{what} {text!r}: need 1 <= N <= M, got N={lo}, M={hi}")
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Where request bodies come from. Every request gets a different body unless a dataset
+    is shorter than the run (then bodies repeat, and the header says so)."""
+
+    dataset: str | None = None  # JSONL of bodies, or OpenAI Batch input lines
+    input_len: tuple[int, int] | None = None  # random prompts: tokens drawn in [N, M]
+    output_len: tuple[int, int] | None = None  # max_tokens drawn in [N, M], with ignore_eos
+    tokenizer: str | None = None  # model folder (or "embedded") for vocabulary and chat text
+    seed: int = 0  # lengths and tokens; the same seed sends the same bodies
+
+    def __post_init__(self) -> None:
+        if self.dataset is not None and self.input_len is not None:
+            raise ConfigError(
+                "--dataset and --random-input-len both choose the prompts; give one of them"
+            )
+
+    @property
+    def kind(self) -> str:
+        if self.dataset is not None:
+            return "dataset"
+        return "random" if self.input_len is not None else "default"
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     """Everything one load run needs. Build it from the CLI or in-process (`run_load`)."""
@@ -281,6 +376,10 @@ class LoadConfig:
     headers: tuple[tuple[str, str], ...] = ()
     sample_interval_s: float = 0.1  # in-flight / throughput time-series resolution
     loop_lag_interval_s: float = 0.01  # self-monitor timer period
+    source: SourceSpec = field(default_factory=SourceSpec)
+    slo_attainment: float = 0.99  # share of requests a per-request SLO term must hold for
+    body_offset: int = 0  # first body index (a sweep's steps continue where the last ended)
+    reject_backoff_s: float = 0.0  # closed-loop: wait out a refusal's Retry-After, at most this
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -298,10 +397,34 @@ class LoadConfig:
         if not 0 < self.sample_interval_s <= 10:
             raise ConfigError(f"sample interval must be in (0, 10] s, got {self.sample_interval_s}")
         goodput_without_bound = any(s.metric == "goodput" and s.bound_s is None for s in self.sla)
-        if goodput_without_bound and self.goodput_bound_s() is None:
+        per_request = [s for s in self.sla if s.per_request]
+        if goodput_without_bound and self.goodput_bound_s() is None and not per_request:
             raise ConfigError(
-                "--sla goodput needs a latency bound: add a latency term (p99<=150ms) "
-                "or write goodput(150ms)>=500/s"
+                "--sla goodput needs a latency bound: add a latency term (p99<=150ms), an SLO "
+                "term (ttft<=150ms) or write goodput(150ms)>=500/s"
+            )
+        streamed = [s.text for s in per_request if s.metric in STREAM_METRICS]
+        if streamed and not self.stream:
+            raise ConfigError(
+                f"--sla {streamed[0]!r} needs token timings: add --stream (completions or chat)"
+            )
+        if not 0 < self.slo_attainment <= 1:
+            raise ConfigError(
+                f"--slo-attainment must be in (0, 100 %], got {self.slo_attainment:.4g}"
+            )
+        src = self.source
+        if src.kind != "default" and self.body is not None:
+            raise ConfigError("--body gives one fixed body; drop it to use --dataset or --random-*")
+        if src.kind == "random" and self.endpoint == "raw":
+            raise ConfigError(
+                "--random-input-len builds bodies for an endpoint; use --endpoint completions, "
+                "chat, infer or embeddings"
+            )
+        generating = self.endpoint in ("completions", "chat")
+        if src.output_len is not None and not generating and src.kind != "dataset":
+            raise ConfigError(
+                f"--random-output-len sets max_tokens; {self.endpoint} generates no tokens "
+                "(use --endpoint completions or chat)"
             )
 
     @property
@@ -311,6 +434,10 @@ class LoadConfig:
             if self.endpoint != "raw"
             else (self.url)
         )
+
+    def slo_terms(self) -> tuple[SlaCheck, ...]:
+        """The per-request SLO terms (ttft, tpot, itl, e2e) every good request meets."""
+        return tuple(s for s in self.sla if s.per_request)
 
     def goodput_bound_s(self) -> float | None:
         """Latency bound for goodput: explicit, else the tightest latency term of the SLA."""
@@ -326,22 +453,23 @@ class LoadConfig:
 
 def build_body(cfg: LoadConfig) -> bytes:
     """The JSON body each endpoint kind posts (the lead's contract for tailguard serve)."""
-    ep = cfg.endpoint
-    obj: dict[str, object]
-    if ep == "infer":
-        obj = {"prompt": cfg.prompt, "top_k": 5}
-    elif ep == "completions":
-        obj = {"model": cfg.model, "prompt": cfg.prompt, "max_tokens": 16}
-    elif ep == "chat":
-        obj = {
-            "model": cfg.model,
-            "messages": [{"role": "user", "content": cfg.prompt}],
-            "max_tokens": 16,
-        }
-    elif ep == "embeddings":
-        obj = {"model": cfg.model, "input": cfg.prompt}
-    else:
-        raise ConfigError("--endpoint raw has no built body; give --body FILE")
+    obj = endpoint_body(cfg.endpoint, cfg.model, cfg.prompt)
     if cfg.stream:
         obj["stream"] = True
     return json.dumps(obj).encode()
+
+
+def endpoint_body(ep: str, model: str, prompt: str) -> dict[str, object]:
+    if ep == "infer":
+        return {"prompt": prompt, "top_k": 5}
+    if ep == "completions":
+        return {"model": model, "prompt": prompt, "max_tokens": 16}
+    if ep == "chat":
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 16,
+        }
+    if ep == "embeddings":
+        return {"model": model, "input": prompt}
+    raise ConfigError("--endpoint raw has no built body; give --body FILE")

@@ -291,6 +291,36 @@ def _pct_cells(p: Percentiles) -> str:
     return "".join(f"<td>{'-' if v is None else f'{v * 1e3:,.2f}'}</td>" for v in vals)
 
 
+def _token_rows(result: LoadResult) -> str:
+    s = result.summary
+    if not s.ttft.count:
+        return ""
+    return (
+        f"<tr><td>TTFT</td>{_pct_cells(s.ttft)}</tr>"
+        f"<tr><td>TPOT (time per output token)</td>{_pct_cells(s.tpot)}</tr>"
+        f"<tr><td>ITL (inter-token latency)</td>{_pct_cells(s.itl)}</tr>"
+    )
+
+
+def _token_line(result: LoadResult) -> str:
+    s = result.summary
+    parts = []
+    if s.output_tokens.requests:
+        parts.append(
+            f"Output tokens (server usage) {s.output_tokens.total:,}, mean "
+            f"{s.output_tokens.mean or 0:,.1f}; {s.output_tokens_per_s:,.1f} output tok/s, "
+            f"{s.total_tokens_per_s:,.1f} total tok/s, {s.requests_per_s:,.2f} requests/s."
+        )
+    if s.prompt_tokens.requests:
+        parts.append(f"Prompt tokens mean {s.prompt_tokens.mean or 0:,.1f}.")
+    if s.goodput is not None:
+        parts.append(
+            f"Goodput {s.goodput:,.2f}/s: {s.good:,} requests ok meeting "
+            f"{html.escape(', '.join(s.goodput_terms))}."
+        )
+    return f"<p>{' '.join(parts)}</p>" if parts else ""
+
+
 def render_html(result: LoadResult) -> str:
     cfg, s, c = result.config, result.summary, result.client
     code = result.exit_code()
@@ -331,6 +361,7 @@ figure {{ margin: 16px 0; }} figcaption {{ font-weight: bold; margin-bottom: 4px
 <p class="verdict">{html.escape(result.verdict())} (exit {code})</p>
 <p>{html.escape(cfg.target_url)} &middot; {html.escape(cfg.profile.describe())} &middot;
 <b>{cfg.profile.loop_label}</b> &middot; started {html.escape(result.facts.started_at)}</p>
+<p>Bodies: {html.escape(result.facts.source_text or "-")}</p>
 {loop_note}{trust}
 <p>Sent {s.total:,}; ok {s.ok:,}; failed {s.failed:,} ({errors}); throughput
 {s.throughput:,.1f}/s over {s.rate_window_s:.2f} s; connections new {s.new_connections:,},
@@ -339,7 +370,8 @@ reused {s.reused_connections:,}.</p>
 <th>max</th></tr>
 <tr><td>latency (from intended send)</td>{_pct_cells(s.latency)}</tr>
 <tr><td>service (from actual send)</td>{_pct_cells(s.service)}</tr>
-<tr><td>time to first byte</td>{_pct_cells(s.ttfb)}</tr></table>
+<tr><td>time to first byte</td>{_pct_cells(s.ttfb)}</tr>{_token_rows(result)}</table>
+{_token_line(result)}
 <table><tr><th>SLA</th><th>observed</th><th>result</th><th>detail</th></tr>{sla_rows}</table>
 {_scatter(result)}
 {_histogram(result)}

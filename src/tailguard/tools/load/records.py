@@ -30,6 +30,11 @@ RECORD_FIELDS = (
     "first_token_s",
     "retry_after_s",
     "bytes_in",
+    "prompt_tokens",
+    "output_tokens",
+    "ttft_s",
+    "tpot_s",
+    "itl_s",
 )
 
 
@@ -52,6 +57,11 @@ class RequestRecord:
     first_token_s: float | None = None  # sent -> first SSE data event (streams)
     retry_after_s: float | None = None  # server's Retry-After header, seconds
     bytes_in: int = 0  # response body bytes
+    prompt_tokens: int | None = None  # the server's usage count
+    output_tokens: int | None = None  # usage completion_tokens (else content events counted)
+    ttft_s: float | None = None  # intended send -> first content event: what its user waited
+    tpot_s: float | None = None  # (done - first content event) / (output_tokens - 1)
+    itl_s: list[float] | None = None  # gaps between successive content events (streams)
     _conn_start: float = 0.0  # perf_counter at connection-create start (internal)
 
     def as_dict(self) -> dict[str, object]:
@@ -62,6 +72,8 @@ def _clean(v: object) -> object:
     # JSON has no NaN; a record that never completed cannot exist, but be strict anyway.
     if isinstance(v, float):
         return None if math.isnan(v) else round(v, 7)
+    if isinstance(v, list):
+        return [round(x, 7) for x in v]
     return v
 
 
@@ -91,4 +103,10 @@ def write_csv(path: Path, records: list[RequestRecord]) -> None:
         w.writerow(RECORD_FIELDS)
         for r in records:
             d = r.as_dict()
-            w.writerow(["" if d[k] is None else d[k] for k in RECORD_FIELDS])
+            w.writerow([_cell(d[k]) for k in RECORD_FIELDS])
+
+
+def _cell(v: object) -> object:
+    if v is None:
+        return ""
+    return " ".join(f"{x:g}" for x in v) if isinstance(v, list) else v  # itl_s: space-separated

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tailguard.tools.load.analysis import LoadResult, Percentiles
+from tailguard.tools.load.analysis import LoadResult, Percentiles, TokenCounts
 from tailguard.tools.load.html_report import render_html
 from tailguard.tools.load.records import write_csv, write_jsonl
 
@@ -55,6 +55,9 @@ def print_summary(result: LoadResult, console: Console | None = None) -> None:
         f"[bold]tailguard load[/] {cfg.target_url}  {p.describe()}  "
         f"[{'green' if p.open_loop else 'yellow'}]{p.loop_label.upper()}[/]"
     )
+    if result.facts.source_text:
+        repeat = "REPEAT" in result.facts.source_text
+        con.print(f"[{'yellow' if repeat else 'default'}]bodies: {result.facts.source_text}[/]")
     if not p.open_loop:
         con.print(
             "[yellow]closed-loop: a stalled server slows the sender, so a stall is counted "
@@ -66,8 +69,17 @@ def print_summary(result: LoadResult, console: Console | None = None) -> None:
         f"connections new {s.new_connections:,} / reused {s.reused_connections:,}"
     )
     if s.goodput is not None:
-        counts += f"  goodput {s.goodput:,.1f}/s (ok within {_ms(s.goodput_bound_s)} ms)"
+        counts += (
+            f"  goodput {s.goodput:,.1f}/s ({s.good:,} ok meeting {', '.join(s.goodput_terms)})"
+        )
     con.print(counts)
+    if s.output_tokens.requests or s.prompt_tokens.requests:
+        con.print(
+            f"tokens (server usage): prompt {_counts(s.prompt_tokens)}  output "
+            f"{_counts(s.output_tokens)}  output {s.output_tokens_per_s:,.1f} tok/s  total "
+            f"{s.total_tokens_per_s:,.1f} tok/s  requests {s.requests_per_s:,.2f}/s (over "
+            f"{result.facts.wall_s:.2f} s wall)"
+        )
     if s.errors_by_kind:
         con.print(
             "errors: " + ", ".join(f"{k or 'unknown'} x{n:,}" for k, n in s.errors_by_kind.items())
@@ -81,8 +93,12 @@ def print_summary(result: LoadResult, console: Console | None = None) -> None:
     if p.open_loop:
         t.add_row(*_pct_row("service (from actual send)", s.service))
     t.add_row(*_pct_row("time to first byte", s.ttfb))
-    if s.first_token.count:
-        t.add_row(*_pct_row("time to first token", s.first_token))
+    if s.ttft.count:
+        t.add_row(*_pct_row(f"TTFT (from {origin})", s.ttft))
+        t.add_row(*_pct_row("TPOT (time per output token)", s.tpot))
+        t.add_row(*_pct_row("ITL (inter-token latency)", s.itl))
+    elif s.first_token.count:
+        t.add_row(*_pct_row("time to first event", s.first_token))
     if s.connect.count:
         t.add_row(*_pct_row("connection setup", s.connect))
     con.print(t)
@@ -123,6 +139,12 @@ def print_summary(result: LoadResult, console: Console | None = None) -> None:
     code = result.exit_code()
     color = {0: "green", 1: "red", 2: "yellow"}[code]
     con.print(f"[bold {color}]{result.verdict()}[/]  (exit {code})")
+
+
+def _counts(c: TokenCounts) -> str:
+    if not c.requests or c.mean is None:
+        return "-"
+    return f"mean {c.mean:,.1f} ({c.min:,}-{c.max:,})"
 
 
 def _k(item: tuple[str, float]) -> float:

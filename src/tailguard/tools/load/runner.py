@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
+import orjson
 import psutil
 
 from tailguard.tools.load.analysis import LoadResult, RunFacts, analyse
@@ -30,6 +31,10 @@ from tailguard.tools.load.config import LoadConfig
 from tailguard.tools.load.records import RequestRecord, Sample
 from tailguard.tools.load.schedule import expected_count, intended_times
 from tailguard.tools.load.server_metrics import scrape
+from tailguard.tools.load.sources import BodySource
+
+PREPARE_MAX = 200_000  # bodies built before the clock starts; later ones are built on demand
+_USAGE_PATHS = (b"/v1/completions", b"/v1/chat/completions")
 
 __all__ = ["Progress", "raise_nofile_limit", "run_load"]
 
@@ -179,22 +184,24 @@ def _retry_after(value: str | None) -> float | None:
 class _Sender:
     """Sends one request and fills its record; never raises for a failed request."""
 
-    def __init__(self, cfg: LoadConfig, session: aiohttp.ClientSession, st: _State) -> None:
-        self.cfg, self.session, self.st = cfg, session, st
-        self.url = cfg.target_url
-        self.body = cfg.request_body()
+    def __init__(
+        self, cfg: LoadConfig, session: aiohttp.ClientSession, st: _State, source: BodySource
+    ) -> None:
+        self.cfg, self.session, self.st, self.source = cfg, session, st, source
         self.headers = {"Content-Type": "application/json", **dict(cfg.headers)}
         self.timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
 
     async def send(self, rec: RequestRecord) -> None:
         st, cfg = self.st, self.cfg
+        body = self.source.body(rec.i)
         sent = time.perf_counter()
         rec.sent_s = sent - st.t0
         st.sent += 1
+        first: float | None = None  # perf_counter of the first content event (streams)
         try:
             async with self.session.post(
-                self.url,
-                data=self.body,
+                body.url,
+                data=body.data,
                 headers=self.headers,
                 timeout=self.timeout,
                 trace_request_ctx=rec,
@@ -202,13 +209,19 @@ class _Sender:
                 rec.ttfb_s = time.perf_counter() - sent
                 rec.status = resp.status
                 rec.retry_after_s = _retry_after(resp.headers.get("Retry-After"))
-                if cfg.stream:
-                    await self._read_stream(resp, rec, sent)
+                stream_error = None
+                if resp.content_type == "text/event-stream":
+                    first, stream_error = await self._read_stream(resp, rec, sent)
                 else:
-                    rec.bytes_in = len(await resp.read())
-                rec.ok = 200 <= resp.status < 300
-                if not rec.ok:
+                    data = await resp.read()
+                    rec.bytes_in = len(data)
+                    if resp.status == 200 and body.url.encode().endswith(_USAGE_PATHS):
+                        _read_usage(data, rec)
+                rec.ok = 200 <= resp.status < 300 and stream_error is None
+                if not 200 <= resp.status < 300:
                     rec.error = f"http {resp.status}"
+                elif stream_error is not None:
+                    rec.error = stream_error
         except asyncio.CancelledError:
             rec.error = "cancelled"
             raise
@@ -219,7 +232,13 @@ class _Sender:
             rec.done_s = done - st.t0
             rec.service_s = done - sent
             # from the intended time, or from the actual send if a timer fired a little early
-            rec.latency_s = rec.done_s - min(rec.intended_s, rec.sent_s)
+            origin = min(rec.intended_s, rec.sent_s)
+            rec.latency_s = rec.done_s - origin
+            if first is not None:
+                rec.ttft_s = first - st.t0 - origin
+                n = rec.output_tokens or 0
+                if n > 1:  # vLLM's and DistServe's TPOT: decode time per token after the first
+                    rec.tpot_s = (done - first) / (n - 1)
             if rec.error == "timeout":  # never shorter than the timeout it hit
                 rec.service_s = max(rec.service_s, cfg.timeout_s)
                 rec.latency_s = max(rec.latency_s, cfg.timeout_s)
@@ -229,12 +248,73 @@ class _Sender:
 
     async def _read_stream(
         self, resp: aiohttp.ClientResponse, rec: RequestRecord, sent: float
-    ) -> None:
+    ) -> tuple[float | None, str | None]:
+        """Read SSE events: content events time the tokens, the usage event counts them.
+
+        Returns (perf_counter of the first content event, in-band error or None). A content
+        event is a choice with non-empty `text` (completions) or `delta.content` (chat); role-only
+        and finish-only chunks are not tokens. ITL gaps are between content events.
+        """
+        first: float | None = None
+        last = 0.0
+        events = 0
+        gaps: list[float] = []
+        error: str | None = None
         async for line in resp.content:
             rec.bytes_in += len(line)
-            first = rec.first_token_s is None and line.startswith(b"data:")
-            if first and line[5:].strip() != b"[DONE]":
-                rec.first_token_s = time.perf_counter() - sent
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                continue
+            now = time.perf_counter()
+            if rec.first_token_s is None:
+                rec.first_token_s = now - sent
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                continue  # not JSON: still an event (first_token_s), not a token
+            if not isinstance(obj, dict):
+                continue
+            if "error" in obj:
+                err = obj["error"]
+                msg = err.get("message") if isinstance(err, dict) else err
+                error = f"stream error: {msg}"
+            choices = obj.get("choices")
+            if choices and isinstance(choices[0], dict):
+                c0 = choices[0]
+                delta = c0.get("delta")
+                text = c0.get("text") or (delta.get("content") if isinstance(delta, dict) else None)
+                if text:
+                    events += 1
+                    if first is None:
+                        first = now
+                    else:
+                        gaps.append(now - last)
+                    last = now
+            usage = obj.get("usage")
+            if isinstance(usage, dict):
+                _take_usage(usage, rec)
+        if first is not None:
+            rec.itl_s = gaps
+            if rec.output_tokens is None:  # no usage event: count content events
+                rec.output_tokens = events
+        return first, error
+
+
+def _take_usage(usage: dict[str, Any], rec: RequestRecord) -> None:
+    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    rec.prompt_tokens = p if isinstance(p, int) else rec.prompt_tokens
+    rec.output_tokens = c if isinstance(c, int) else rec.output_tokens
+
+
+def _read_usage(data: bytes, rec: RequestRecord) -> None:
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return
+    if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+        _take_usage(obj["usage"], rec)
 
 
 async def _open_loop(cfg: LoadConfig, sender: _Sender, st: _State) -> None:
@@ -264,6 +344,13 @@ async def _open_loop(cfg: LoadConfig, sender: _Sender, st: _State) -> None:
         await asyncio.gather(*tasks)
 
 
+async def _backoff(cfg: LoadConfig, rec: RequestRecord) -> None:
+    """A closed-loop worker refused with Retry-After waits (capped) instead of re-sending at once:
+    a server that refuses in microseconds would otherwise be hammered by its own refusals."""
+    if cfg.reject_backoff_s > 0 and not rec.ok and rec.retry_after_s:
+        await asyncio.sleep(min(rec.retry_after_s, cfg.reject_backoff_s))
+
+
 async def _closed_loop(cfg: LoadConfig, sender: _Sender, st: _State) -> None:
     """hey-like workers, but exactly `requests` are sent (hey sends (n // c) * c)."""
     total = cfg.profile.requests
@@ -274,6 +361,7 @@ async def _closed_loop(cfg: LoadConfig, sender: _Sender, st: _State) -> None:
             rec = RequestRecord(len(st.records), time.perf_counter() - st.t0)
             st.records.append(rec)
             await sender.send(rec)
+            await _backoff(cfg, rec)
 
     await asyncio.gather(*(worker() for _ in range(cfg.profile.concurrency)))
 
@@ -289,6 +377,7 @@ async def _inflight_ramp(cfg: LoadConfig, sender: _Sender, st: _State) -> None:
             rec = RequestRecord(len(st.records), time.perf_counter() - st.t0)
             st.records.append(rec)
             await sender.send(rec)
+            await _backoff(cfg, rec)
 
     workers: list[asyncio.Task[None]] = []
     for step, level in enumerate(p.ramp_levels()):
@@ -307,8 +396,15 @@ def _busy_share(a: Any, b: Any) -> float:
     return max(0.0, min(1.0, 1 - idle / total)) if total > 0 else 0.0
 
 
-async def run_load(cfg: LoadConfig, progress: ProgressCallback | None = None) -> LoadResult:
+async def run_load(
+    cfg: LoadConfig, progress: ProgressCallback | None = None, source: BodySource | None = None
+) -> LoadResult:
     """Run one load test in the current event loop and return everything it measured."""
+    source = source or BodySource(cfg)
+    expected = expected_count(cfg.profile)
+    t_prep = time.perf_counter()
+    source.prepare(min(expected or 0, PREPARE_MAX))
+    prepare_s = time.perf_counter() - t_prep
     nofile = raise_nofile_limit()
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     # No connection cap (aiohttp's default of 100 would make this a closed-loop tester), and
@@ -319,8 +415,8 @@ async def run_load(cfg: LoadConfig, progress: ProgressCallback | None = None) ->
         connector=connector, trace_configs=[_trace_config()], skip_auto_headers=("User-Agent",)
     ) as session:
         st = _State(t0=time.perf_counter())
-        sender = _Sender(cfg, session, st)
-        monitor = _Monitor(cfg, st, expected_count(cfg.profile), progress)
+        sender = _Sender(cfg, session, st, source)
+        monitor = _Monitor(cfg, st, expected, progress)
         cpu0 = time.process_time()
         machine0 = psutil.cpu_times()
         psutil.cpu_percent(interval=None)  # starts the per-sample machine-wide CPU interval
@@ -350,5 +446,7 @@ async def run_load(cfg: LoadConfig, progress: ProgressCallback | None = None) ->
         loop_lags_s=monitor.lags,
         nofile_limit=nofile,
         event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
+        source={**source.to_dict(), "prepare_s": round(prepare_s, 4)},
+        source_text=source.describe(len(st.records)),
     )
     return analyse(cfg, st.records, monitor.samples, facts, before, after)

@@ -8,10 +8,18 @@ demand, each one a known answer the load tester must report:
     --stall-at 1 --stall-for 1   once, 1 s after the first request, hold every response for 1 s
     --delay 0.05                 answer every request after 50 ms
     --fail-every 10              every 10th request gets 503 with Retry-After: 1
-    --stream-tokens 4            bodies with "stream": true get 4 SSE events (chunked)
+    --stream-tokens 4            bodies with "stream": true get 4 SSE events (chunked), or
+                                 max_tokens events when the body sets it; first event after
+                                 delay + token delay, then one every --token-delay
+    --slow-every 5 --slow-delay 0.2   every 5th request starts answering 200 ms later
+    --capacity 4                 serve at most 4 requests at a time, the rest wait in FIFO
+                                 order (a known knee: capacity / delay requests per second)
 
-GET /stats returns {"requests": N, "connections": N}; GET /metrics exports the server-side
-latency histogram `mistral_inference_latency_seconds` with the SLA buckets.
+Bodies with "stream_options": {"include_usage": true} get a usage event (prompt_tokens: the
+prompt's token ids, or its words; completion_tokens: the events sent); completions and chat
+JSON answers carry the same usage. GET /stats returns {"requests": N, "connections": N,
+"distinct_bodies": N}; GET /metrics exports the server-side latency histogram
+`mistral_inference_latency_seconds` with the SLA buckets.
 Prints `LISTENING <port>` on stdout once it accepts connections.
 """
 
@@ -23,8 +31,9 @@ import json
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 __all__ = ["ServerOptions", "main", "serve"]
 
@@ -44,6 +53,9 @@ class ServerOptions:
     fail_every: int = 0  # 0 = never fail
     stream_tokens: int = 4
     token_delay_s: float = 0.005
+    capacity: int = 0  # requests served at once; 0 = unlimited
+    slow_every: int = 0  # every Nth request waits slow_delay_s more before answering
+    slow_delay_s: float = 0.0
 
 
 class _Stats:
@@ -54,6 +66,15 @@ class _Stats:
         self.buckets = [0] * len(SLA_BUCKETS)
         self.count = 0
         self.sum = 0.0
+        self.bodies: set[int] = set()
+        self.busy = 0  # requests being served (--capacity)
+        self.waiting: list[Callable[[], None]] = []  # FIFO of requests waiting for capacity
+
+    def release(self) -> None:
+        self.busy -= 1
+        if self.waiting:
+            self.busy += 1
+            self.waiting.pop(0)()
 
     def observe(self, seconds: float) -> None:
         self.count += 1
@@ -114,7 +135,13 @@ class _Conn(asyncio.Protocol):
         now = time.perf_counter()
         st, o = self.stats, self.opts
         if method == "GET" and path == "/stats":
-            data = json.dumps({"requests": st.requests, "connections": st.connections})
+            data = json.dumps(
+                {
+                    "requests": st.requests,
+                    "connections": st.connections,
+                    "distinct_bodies": len(st.bodies),
+                }
+            )
             self._write(200, data.encode(), "application/json", close)
             return
         if method == "GET" and path == "/metrics":
@@ -122,53 +149,87 @@ class _Conn(asyncio.Protocol):
             return
         st.requests += 1
         n = st.requests
+        st.bodies.add(hash(body))
         if st.first_at is None:
             st.first_at = now
-        ready = now + o.delay_s
-        if o.stall_at_s is not None:
-            stall_start = st.first_at + o.stall_at_s
-            stall_end = stall_start + o.stall_for_s
-            if stall_start <= ready < stall_end:
-                ready = stall_end
         fail = o.fail_every > 0 and n % o.fail_every == 0
-        stream = b'"stream": true' in body or b'"stream":true' in body
+        req = _parse(body)
+        stream = req.get("stream") is True
+        chat = path.endswith("/chat/completions")
+        tokens = req.get("max_tokens") if isinstance(req.get("max_tokens"), int) else None
+        opts = req.get("stream_options")
+        with_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        usage = _usage(req, tokens if tokens is not None else o.stream_tokens)
 
         def respond() -> None:
             if self.transport is None or self.transport.is_closing():
+                st.release()
                 return
             if fail:
                 err = b'{"error":{"message":"overloaded","code":"overloaded"}}'
                 self._write(503, err, "application/json", close, extra="Retry-After: 1\r\n")
             elif stream:
-                self.streams.add(task := asyncio.ensure_future(self._stream(now, close)))
+                count = tokens if tokens is not None else o.stream_tokens
+                coro = self._stream(now, close, count, chat, usage if with_usage else None)
+                self.streams.add(task := asyncio.ensure_future(coro))
                 task.add_done_callback(self.streams.discard)
                 return
             else:
-                self._write(200, b'{"ok":true,"n":%d}' % n, "application/json", close)
+                extra = b',"usage":' + json.dumps(usage).encode() if "max_tokens" in req else b""
+                self._write(200, b'{"ok":true,"n":%d%s}' % (n, extra), "application/json", close)
             st.observe(time.perf_counter() - now)
+            st.release()
 
-        delay = ready - time.perf_counter()
-        if delay > 0:
-            self.loop.call_later(delay, respond)
+        def start() -> None:
+            begin = time.perf_counter()
+            ready = begin + o.delay_s
+            if o.slow_every and n % o.slow_every == 0:
+                ready += o.slow_delay_s
+            if o.stall_at_s is not None and st.first_at is not None:
+                stall_start = st.first_at + o.stall_at_s
+                stall_end = stall_start + o.stall_for_s
+                if stall_start <= ready < stall_end:
+                    ready = stall_end
+            delay = ready - begin
+            if delay > 0:
+                self.loop.call_later(delay, respond)
+            else:
+                respond()
+
+        if o.capacity and st.busy >= o.capacity:
+            st.waiting.append(start)
         else:
-            respond()
+            st.busy += 1
+            start()
 
-    async def _stream(self, started: float, close: bool) -> None:
+    async def _stream(
+        self, started: float, close: bool, count: int, chat: bool, usage: dict[str, int] | None
+    ) -> None:
         t = self.transport
-        assert t is not None
-        t.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n"
-        )
-        for k in range(self.opts.stream_tokens):
-            await asyncio.sleep(self.opts.token_delay_s)
-            event = b'data: {"choices":[{"text":"t%d"}]}\n\n' % k
-            t.write(b"%x\r\n%s\r\n" % (len(event), event))
-        done = b"data: [DONE]\n\n"
-        t.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
-        self.stats.observe(time.perf_counter() - started)
-        if close:
-            t.close()
+        try:
+            if t is None:
+                return
+            t.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+            )
+            for k in range(count):
+                await asyncio.sleep(self.opts.token_delay_s)
+                if chat:
+                    event = b'data: {"choices":[{"delta":{"content":"t%d"}}]}\n\n' % k
+                else:
+                    event = b'data: {"choices":[{"text":"t%d"}]}\n\n' % k
+                t.write(b"%x\r\n%s\r\n" % (len(event), event))
+            if usage is not None:
+                event = b'data: {"choices":[],"usage":%s}\n\n' % json.dumps(usage).encode()
+                t.write(b"%x\r\n%s\r\n" % (len(event), event))
+            done = b"data: [DONE]\n\n"
+            t.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+            self.stats.observe(time.perf_counter() - started)
+            if close:
+                t.close()
+        finally:
+            self.stats.release()
 
     def _write(self, status: int, body: bytes, ctype: str, close: bool, extra: str = "") -> None:
         assert self.transport is not None
@@ -185,6 +246,29 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+
+
+def _parse(body: bytes) -> dict[str, Any]:
+    if not body.startswith(b"{"):
+        return {}
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def _usage(req: dict[str, Any], completion: int) -> dict[str, int]:
+    """Prompt tokens: a token-id prompt's length, else the words of the prompt or messages."""
+    prompt = req.get("prompt", req.get("input_ids"))
+    if isinstance(prompt, list):
+        n = len(prompt)
+    elif isinstance(prompt, str):
+        n = len(prompt.split())
+    else:
+        msgs = req.get("messages") or []
+        n = sum(len(str(m.get("content", "")).split()) for m in msgs if isinstance(m, dict))
+    return {"prompt_tokens": n, "completion_tokens": completion, "total_tokens": n + completion}
 
 
 async def serve(opts: ServerOptions, ready: asyncio.Future[int] | None = None) -> None:
@@ -214,10 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fail-every", type=int, default=0)
     ap.add_argument("--stream-tokens", type=int, default=4)
     ap.add_argument("--token-delay", type=float, default=0.005)
+    ap.add_argument("--capacity", type=int, default=0)
+    ap.add_argument("--slow-every", type=int, default=0)
+    ap.add_argument("--slow-delay", type=float, default=0.0)
     a = ap.parse_args(argv)
     opts = ServerOptions(
         a.host, a.port, a.backlog, a.stall_at, a.stall_for, a.delay, a.fail_every,
-        a.stream_tokens, a.token_delay,
+        a.stream_tokens, a.token_delay, a.capacity, a.slow_every, a.slow_delay,
     )  # fmt: skip
     try:
         import uvloop
