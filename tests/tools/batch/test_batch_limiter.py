@@ -249,3 +249,21 @@ def test_target_follows_the_tail_spread() -> None:
         now += 0.001
     # Aim the p90 so the p99 (2x) lands at 0.8 x SLA: 60 ms.
     assert lim.target_s == pytest.approx(0.8 * SLA / 2, rel=0.01)
+
+
+def test_refusals_over_budget_stop_the_growth() -> None:
+    lim = AdaptiveLimit(LimiterConfig(sla_s=SLA, initial=20))
+    now = 0.0
+    for _ in range(3):  # fast answers: it grows
+        now = complete_window(lim, 0.010, now + 1.0)
+    grown = lim.current
+    assert grown > 20 and lim.refusal_share == 0.0
+    for i in range(5):  # 5 refusals among the next answers: 2-5%, over the 1% budget
+        fill(lim)
+        lim.on_overload(now + 10.0 * (i + 1))
+    now += 100.0
+    held = lim.current
+    assert lim.refusal_share > 0.01
+    for _ in range(3):  # latency far below target, yet no growth while over budget
+        now = complete_window(lim, 0.010, now + 1.0)
+    assert lim.current == held

@@ -26,6 +26,12 @@ The in-flight limit follows the latency gradient toward a target inside the SLA:
   remembered as a ceiling: below 90% of it growth is multiplicative, above it one step per
   window (so a server whose queue limit is below the latency target is not overrun again and
   again; the ceiling rises as the limit passes it without a refusal).
+- Refusals have a budget, like misses: while more than `miss_budget` of the recent 1,000
+  answers were refusals, the limit does not grow at all. A deadline-aware server (tailguard's
+  admission) refuses exactly the requests that would be late, so the load where it starts
+  refusing is the edge of what it can finish in time: hovering just under it keeps its
+  throughput, and probing past it again and again only turns requests into retries (measured:
+  4% of a 10,000-request job retried before this rule).
 
 Against a server whose throughput saturates, the extra queue up to the target costs nothing
 in throughput (every slot stays busy) and only latency that the SLA allows.
@@ -100,6 +106,7 @@ class AdaptiveLimit:
         self.ceiling = math.inf  # in flight when the server last said no; growth slows near it
         self._typical_s = 0.1  # last window's median; spaces overload cuts
         self._recent: deque[float] = deque(maxlen=_SPREAD_SAMPLES)  # for the p99/p90 spread
+        self._refused: deque[bool] = deque(maxlen=_SPREAD_SAMPLES)  # recent answers: refused?
         self._p90_target = cfg.sla_s * cfg.target_fraction
 
     @property
@@ -118,6 +125,11 @@ class AdaptiveLimit:
             target = max(target, min(1.5 * self.floor_s, 0.9 * sla))
         return target
 
+    @property
+    def refusal_share(self) -> float:
+        """Share of the recent answers that were refusals (overload signals)."""
+        return sum(self._refused) / len(self._refused) if self._refused else 0.0
+
     def on_send(self) -> None:
         self.in_flight += 1
         self._window_peak = max(self._window_peak, self.in_flight)
@@ -129,6 +141,7 @@ class AdaptiveLimit:
             self._window_start = now
         self._window.append(latency_s)
         self._recent.append(latency_s)
+        self._refused.append(False)
         if len(self._window) >= max(4, self.current // 2) or now - self._window_start >= 1.0:
             self._close_window(now)
 
@@ -136,6 +149,7 @@ class AdaptiveLimit:
         """503/429/504, a timeout or a dropped connection."""
         refused_at = self.in_flight  # this one included: the load the server refused
         self.in_flight -= 1
+        self._refused.append(True)
         if now - self._last_cut < self._typical_s:
             return
         self._last_cut = now
@@ -186,7 +200,9 @@ class AdaptiveLimit:
             self.ceiling = self.limit
             new = self.limit * min(ratio, self.cfg.backoff_ratio)
         elif ratio >= 1.0:
-            if self._window_peak < self.current / 2:
+            if self.refusal_share > self.cfg.miss_budget:
+                new = self.limit  # refusals over budget: hold just under the refused load
+            elif self._window_peak < self.current / 2:
                 ratio = 1.0  # client-limited window: no evidence the server wants more
                 new = self.limit
             elif self.limit >= 0.9 * self.ceiling:
