@@ -23,6 +23,7 @@ BENCHES: dict[str, list[str]] = {
     "overload": ["bench_overload.py"],
     "load": ["bench_load.py"],
     "batch": ["bench_batch.py"],
+    "goodput": ["bench_goodput.py"],
     "churn": ["bench_churn.py"],
     "lab": ["bench_lab.py"],
 }
