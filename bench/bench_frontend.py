@@ -174,7 +174,7 @@ def main() -> int:
     ap.add_argument(
         "--ab-src",
         metavar="DIR",
-        help="also run `tailguard serve` from another checkout's src folder, right before ours "
+        help="also run `tailguard serve` from another checkout's src folder, right after ours "
         "(an A/B of two versions in the same run)",
     )
     args = ap.parse_args()
@@ -239,8 +239,6 @@ def main() -> int:
             cmd = [py, "-m", "tailguard.cli", "serve", "--engine", "stub", "--port", str(port)]
             return name, [*cmd, "--log-level", "warning"], f"http://127.0.0.1:{port}/ready"
 
-        if args.ab_src:
-            servers.append(tailguard("tailguard, --ab-src", free_port()))
         port = free_port()
         servers.append(
             (
@@ -260,6 +258,8 @@ def main() -> int:
                 f"http://127.0.0.1:{port}/ready",
             )
         )
+        if args.ab_src:
+            servers.append(tailguard("tailguard, --ab-src", free_port()))
         results: dict[str, dict[str, float]] = {}
         for i, (name, cmd, ready) in enumerate(servers):
             if i:
