@@ -1,13 +1,20 @@
-"""Front-end overhead: tailguard's full HTTP + admission path vs a raw uvicorn ASGI echo app.
+"""Front-end overhead: tailguard's full HTTP + admission path vs raw echo apps, and vs granian.
 
-Both run as single-process servers on this machine in the same run; the model is replaced by the
-instant stub (`tailguard serve --engine stub`), so the figure is the cost of parsing, validation,
-tokenization, admission, the engine-client round trip, the cache and the metrics. The load
+All run as single-process servers on this machine in the same run, one after the other:
+- raw uvicorn ASGI echo: uvicorn (uvloop + httptools) answering `{"echo": n}`, no app work;
+- raw granian RSGI echo: the same echo on granian (Rust HTTP, 1 worker, 1 runtime thread);
+- granian + tailguard App: granian serving tailguard's own `App.handle` (the same app path:
+  parsing, validation, tokenization, admission, engine stub, cache, metrics) through a thin RSGI
+  adapter, i.e. what we would run if granian replaced our HTTP layer (server/http.py);
+- tailguard (stub engine): `tailguard serve --engine stub`, our own HTTP/1.1 layer.
+The model is replaced by the instant stub, so the figures are the front end's cost. The load
 generator is wrk (Debian package `wrk`), 64 keep-alive connections, POST /v1/infer.
 
-    .venv/bin/python bench/bench_frontend.py [--duration 10] [--connections 64]
+    .venv/bin/python bench/bench_frontend.py [--duration 10] [--connections 64] [--no-granian]
+                                             [--ab-src ../other-checkout/src]
 
-Target: tailguard >= 0.5x the raw app's requests/s.
+Target: tailguard >= 0.5x the raw uvicorn echo's requests/s. The granian + App row says whether
+our own HTTP layer still earns its keep against a maintained server with its own limits.
 """
 
 from __future__ import annotations
@@ -43,6 +50,69 @@ async def app(scope, receive, send):
     await send({"type": "http.response.body", "body": out})
 """
 
+RAW_RSGI = """
+import orjson
+
+class App:
+    async def __rsgi__(self, scope, proto):
+        body = await proto()
+        proto.response_bytes(200, [("content-type", "application/json")],
+                             orjson.dumps({"echo": len(body)}))
+
+app = App()
+"""
+
+# tailguard's App behind granian: the same Call / Conn path our HTTP layer drives.
+TG_RSGI = """
+import asyncio, gc
+from tailguard.server.app import Call
+from tailguard.server.cli import build_app
+from tailguard.server.config import load_config
+
+gc.set_threshold(50_000, 20, 20)  # as `tailguard serve` does
+
+
+class _Conn:
+    __slots__ = ("status", "headers", "body")
+
+    def send_response(self, call, status, headers, body):
+        self.status, self.headers, self.body = status, headers, body
+
+    def send_head(self, call, status, headers):
+        raise NotImplementedError("streams are not part of this benchmark")
+
+    async def send_chunk(self, call, data, more):
+        raise NotImplementedError
+
+
+class Adapter:
+    def __init__(self):
+        self.app = build_app(load_config(None, {"engine": "stub", "log_level": "warning"}))
+        self.started = None
+
+    async def _start(self):
+        await self.app.startup()
+        while not self.app.engine.ready:
+            await asyncio.sleep(0.01)
+
+    async def __rsgi__(self, scope, proto):
+        if self.started is None:
+            self.started = asyncio.ensure_future(self._start())
+        await self.started
+        body = await proto()
+        headers = {k.encode(): v.encode() for k, v in scope.headers.items()}
+        conn = _Conn()
+        call = Call(scope.method, scope.path, headers, body, scope.client, conn)
+        call.task = asyncio.current_task()
+        await self.app.handle(call)
+        proto.response_bytes(
+            conn.status, [(k.decode(), v.decode()) for k, v in conn.headers], conn.body
+        )
+
+
+app = Adapter()
+"""
+
 BODY = '{"prompt": "The quick brown fox jumps over the lazy dog", "top_k": 5}'
 
 
@@ -70,15 +140,49 @@ def wrk(url: str, duration: int, connections: int, script: Path) -> dict[str, fl
     }
 
 
+def granian_cmd(py: str, target: str, port: int) -> list[str]:
+    return [
+        py,
+        "-m",
+        "granian",
+        "--interface",
+        "rsgi",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--runtime-threads",
+        "1",
+        "--loop",
+        "uvloop",
+        "--http",
+        "1",
+        "--no-ws",
+        "--log-level",
+        "warning",
+        target,
+    ]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=int, default=10)
     ap.add_argument("--connections", type=int, default=64)
+    ap.add_argument("--no-granian", action="store_true", help="skip the two granian rows")
+    ap.add_argument(
+        "--ab-src",
+        metavar="DIR",
+        help="also run `tailguard serve` from another checkout's src folder, right after ours "
+        "(an A/B of two versions in the same run)",
+    )
     args = ap.parse_args()
     if not shutil.which("wrk"):
         print("wrk is missing: apt-get install -y wrk", file=sys.stderr)
         return 2
     py = sys.executable
+    src = str(Path(__file__).resolve().parents[1] / "src")
     with tempfile.TemporaryDirectory() as tmp:
         lua = Path(tmp) / "post.lua"
         lua.write_text(
@@ -86,50 +190,88 @@ def main() -> int:
             'wrk.headers["Content-Type"] = "application/json"\n'
         )
         (Path(tmp) / "rawapp.py").write_text(RAW_APP)
+        (Path(tmp) / "rawrsgi.py").write_text(RAW_RSGI)
+        (Path(tmp) / "tgrsgi.py").write_text(TG_RSGI)
+        path = os.pathsep.join([tmp, src, os.environ.get("PYTHONPATH", "")])
+        env = {"PYTHONPATH": path}
+        servers: list[tuple[str, list[str], str]] = []  # name, command, ready path
+        port = free_port()
+        servers.append(
+            (
+                "raw uvicorn ASGI echo",
+                [
+                    py,
+                    "-m",
+                    "uvicorn",
+                    "rawapp:app",
+                    "--port",
+                    str(port),
+                    "--loop",
+                    "uvloop",
+                    "--http",
+                    "httptools",
+                    "--no-access-log",
+                    "--log-level",
+                    "warning",
+                ],
+                f"http://127.0.0.1:{port}/",
+            )
+        )
+        if not args.no_granian:
+            port = free_port()
+            servers.append(
+                (
+                    "raw granian RSGI echo",
+                    granian_cmd(py, "rawrsgi:app", port),
+                    f"http://127.0.0.1:{port}/",
+                )
+            )
+            port = free_port()
+            servers.append(
+                (
+                    "granian + tailguard App",
+                    granian_cmd(py, "tgrsgi:app", port),
+                    f"http://127.0.0.1:{port}/health",
+                )
+            )
+
+        def tailguard(name: str, port: int) -> tuple[str, list[str], str]:
+            cmd = [py, "-m", "tailguard.cli", "serve", "--engine", "stub", "--port", str(port)]
+            return name, [*cmd, "--log-level", "warning"], f"http://127.0.0.1:{port}/ready"
+
+        port = free_port()
+        servers.append(
+            (
+                "tailguard (stub engine)",
+                [
+                    py,
+                    "-m",
+                    "tailguard.cli",
+                    "serve",
+                    "--engine",
+                    "stub",
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "warning",
+                ],
+                f"http://127.0.0.1:{port}/ready",
+            )
+        )
+        if args.ab_src:
+            servers.append(tailguard("tailguard, --ab-src", free_port()))
         results: dict[str, dict[str, float]] = {}
-        port = free_port()
-        raw_cmd = [
-            py,
-            "-m",
-            "uvicorn",
-            "rawapp:app",
-            "--port",
-            str(port),
-            "--loop",
-            "uvloop",
-            "--http",
-            "httptools",
-            "--no-access-log",
-            "--log-level",
-            "warning",
-        ]
-        log = Path(tmp) / "raw.log"
-        ready = f"http://127.0.0.1:{port}/"
-        with serving("raw ASGI app", raw_cmd, log, ready, env={"PYTHONPATH": tmp}):
-            wrk(f"http://127.0.0.1:{port}/v1/infer", 2, args.connections, lua)  # warm-up
-            results["raw uvicorn ASGI echo"] = wrk(
-                f"http://127.0.0.1:{port}/v1/infer", args.duration, args.connections, lua
-            )
-        time.sleep(2)
-        port = free_port()
-        tg_cmd = [
-            py,
-            "-m",
-            "tailguard.cli",
-            "serve",
-            "--engine",
-            "stub",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ]
-        log = Path(tmp) / "tailguard.log"
-        with serving("tailguard", tg_cmd, log, f"http://127.0.0.1:{port}/ready"):
-            wrk(f"http://127.0.0.1:{port}/v1/infer", 2, args.connections, lua)
-            results["tailguard (stub engine)"] = wrk(
-                f"http://127.0.0.1:{port}/v1/infer", args.duration, args.connections, lua
-            )
+        for i, (name, cmd, ready) in enumerate(servers):
+            if i:
+                time.sleep(2)
+            base = ready.rsplit("/", 1)[0]
+            log = Path(tmp) / f"server{i}.log"
+            srv_env = env
+            if name == "tailguard, --ab-src":
+                srv_env = {"PYTHONPATH": os.pathsep.join([str(Path(args.ab_src).resolve()), path])}
+            with serving(name, cmd, log, ready, env=srv_env):
+                wrk(f"{base}/v1/infer", 2, args.connections, lua)  # warm-up
+                results[name] = wrk(f"{base}/v1/infer", args.duration, args.connections, lua)
     print(
         f"\nfront-end overhead: POST /v1/infer, {args.connections} keep-alive connections, "
         f"wrk -t1, {args.duration} s, {os.cpu_count()} cores"
@@ -140,8 +282,15 @@ def main() -> int:
             f"{name:28} {r['rps']:>10.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
             f"{r['non_2xx']:>8.0f}"
         )
-    ratio = results["tailguard (stub engine)"]["rps"] / results["raw uvicorn ASGI echo"]["rps"]
+    tg = results["tailguard (stub engine)"]["rps"]
+    ratio = tg / results["raw uvicorn ASGI echo"]["rps"]
     print(f"tailguard / raw = {ratio:.2f}x (target >= 0.5x): {'PASS' if ratio >= 0.5 else 'MISS'}")
+    if "granian + tailguard App" in results:
+        own = tg / results["granian + tailguard App"]["rps"]
+        print(f"tailguard / granian + tailguard App = {own:.2f}x (our HTTP layer vs granian's)")
+    if "tailguard, --ab-src" in results:
+        ab = tg / results["tailguard, --ab-src"]["rps"]
+        print(f"tailguard / tailguard from --ab-src = {ab:.2f}x")
     return 0
 
 

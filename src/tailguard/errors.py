@@ -5,7 +5,12 @@ TailguardError                 500 internal
 ├── ModelLoadError             (start-up only) names the file or field that is wrong
 ├── InvalidRequestError        400 invalid        names the field and the fix
 │   ├── ContextLengthError     400 invalid        prompt + max_tokens vs the model's context
-│   └── PayloadTooLargeError   413 invalid
+│   ├── RequestTimeoutError    408 invalid        request head or body not read in time
+│   ├── PayloadTooLargeError   413 invalid
+│   ├── UriTooLongError        414 invalid        request target over max_url_bytes
+│   ├── HeadersTooLargeError   431 invalid        request head over max_header_bytes / count
+│   ├── UnsupportedFramingError 501 invalid       a transfer coding other than chunked
+│   └── HttpVersionError       505 invalid        a version other than HTTP/1.0 and 1.1
 ├── UnauthorizedError          401 unauthorized
 ├── NotFoundError              404 not_found      (unknown model, unknown route)
 ├── MethodNotAllowedError      405 invalid
@@ -23,6 +28,8 @@ __all__ = [
     "ContextLengthError",
     "DeadlineExpiredError",
     "EngineUnavailableError",
+    "HeadersTooLargeError",
+    "HttpVersionError",
     "InvalidRequestError",
     "MethodNotAllowedError",
     "ModelLoadError",
@@ -31,9 +38,12 @@ __all__ = [
     "OverloadedError",
     "PayloadTooLargeError",
     "QuotaExceededError",
+    "RequestTimeoutError",
     "RetryLaterError",
     "TailguardError",
     "UnauthorizedError",
+    "UnsupportedFramingError",
+    "UriTooLongError",
 ]
 
 
@@ -82,6 +92,28 @@ class ContextLengthError(InvalidRequestError):
 
 class PayloadTooLargeError(InvalidRequestError):
     status = 413
+
+
+class RequestTimeoutError(InvalidRequestError):
+    status = 408
+
+
+class UriTooLongError(InvalidRequestError):
+    status = 414
+
+
+class HeadersTooLargeError(InvalidRequestError):
+    status = 431
+
+
+class UnsupportedFramingError(InvalidRequestError):
+    """Something the request's framing needs that the server does not do (HTTP 501)."""
+
+    status = 501
+
+
+class HttpVersionError(InvalidRequestError):
+    status = 505
 
 
 class UnauthorizedError(TailguardError):

@@ -131,13 +131,25 @@ async def test_api_key_guards_v1_and_touches_nothing() -> None:
 
 
 async def test_client_quota_is_429_not_503() -> None:
-    async with running_app(client_quota_rps=1.0, client_quota_burst=2) as app:
+    # the in-process peer is 127.0.0.1: a trusted proxy here, so X-Client-Id names the client
+    async with running_app(
+        client_quota_rps=1.0, client_quota_burst=2, trusted_proxies=("127.0.0.0/8",)
+    ) as app:
         codes = [
             (await request(app, "POST", "/v1/infer", INFER, {"X-Client-Id": "a"})).status
             for _ in range(3)
         ]
         assert codes == [200, 200, 429]
         assert (await request(app, "POST", "/v1/infer", INFER, {"X-Client-Id": "b"})).status == 200
+
+
+async def test_client_quota_ignores_x_client_id_from_an_untrusted_peer() -> None:
+    async with running_app(client_quota_rps=1.0, client_quota_burst=2) as app:
+        codes = [
+            (await request(app, "POST", "/v1/infer", INFER, {"X-Client-Id": name})).status
+            for name in ("a", "b", "c")  # a fresh id per request: still the same client
+        ]
+        assert codes == [200, 200, 429]
 
 
 async def test_burst_beyond_capacity_admits_only_what_fits() -> None:

@@ -38,6 +38,9 @@ def test_file_then_flags(tmp_path: Path) -> None:
         ("max_num_seqs = 0", "max_num_seqs=0"),
         ('ssl_certfile = "c.pem"', "set both"),
         ('engine = "gpu"', "use real, stub or simulated"),
+        ('trusted_proxies = ["10.0.0.0/8", "proxy.local"]', "'proxy.local' is not an IP"),
+        ("max_header_bytes = 4096", "raise max_header_bytes to at least 9216"),
+        ("send_timeout_s = 0", "send_timeout_s=0"),
     ],
 )
 def test_bad_settings_name_the_value_and_the_fix(tmp_path: Path, text: str, match: str) -> None:
@@ -81,6 +84,26 @@ def test_print_config_has_the_keys_the_drift_check_reads(tmp_path: Path) -> None
         assert key in cfg, key
     assert cfg["sla_ms"] == 180 and cfg["keepalive_timeout_s"] == 75 and cfg["max_num_seqs"] == 32
     assert cfg["api_key"] == "***"
+    # the HTTP limits and timeouts (docs/server.md, "Limits and timeouts")
+    assert {k: cfg[k] for k in ("header_timeout_s", "body_timeout_s", "send_timeout_s")} == {
+        "header_timeout_s": 10.0,
+        "body_timeout_s": 30.0,
+        "send_timeout_s": 30.0,
+    }
+    assert (cfg["max_url_bytes"], cfg["max_header_bytes"], cfg["max_header_count"]) == (
+        8192,
+        32768,
+        100,
+    )
+    assert cfg["trusted_proxies"] == [] and cfg["linger_timeout_s"] == 5.0
+
+
+def test_trusted_proxies_flag_is_a_comma_separated_list(tmp_path: Path) -> None:
+    from tailguard.server.config import convert
+
+    value = convert("trusted_proxies", "tuple[str, ...]", "10.0.0.0/8, 127.0.0.1")
+    assert value == ("10.0.0.0/8", "127.0.0.1")
+    assert load_config(None, {"trusted_proxies": value}).trusted_proxies == value
 
 
 def test_http_process_never_imports_torch() -> None:

@@ -40,6 +40,7 @@ from tailguard.server.cache import ResponseCache
 from tailguard.server.config import ServerConfig
 from tailguard.server.errors import error_answer
 from tailguard.server.metrics import CONTENT_TYPE, ServerMetrics
+from tailguard.server.quota import ClientQuota, bearer_token
 from tailguard.server.schemas import openapi_document
 from tailguard.server.tokenizer import ModelInfo
 
@@ -134,26 +135,6 @@ class Route:
     api: bool = False
 
 
-class _Quota:
-    """Per-client token buckets (429 for a client over its own quota, never for overload)."""
-
-    def __init__(self, rps: float, burst: int) -> None:
-        self.rps, self.burst = rps, burst
-        self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, last time)
-
-    def take(self, client: str, now: float) -> float:
-        """0 when allowed, else seconds until a token is available."""
-        tokens, last = self._buckets.get(client, (float(self.burst), now))
-        tokens = min(self.burst, tokens + (now - last) * self.rps)
-        if tokens >= 1.0:
-            self._buckets[client] = (tokens - 1.0, now)
-            return 0.0
-        self._buckets[client] = (tokens, now)
-        if len(self._buckets) > 100_000:  # bound memory against many distinct clients
-            self._buckets.clear()
-        return (1.0 - tokens) / self.rps
-
-
 class App:
     def __init__(
         self,
@@ -175,7 +156,12 @@ class App:
         self.delivery = RecentMax(window_s=0.25)  # engine client read it -> handler resumed (s)
         engine.on_output = self._on_engine_output
         self.cache = ResponseCache(config.cache_max_entries, config.cache_max_bytes)
-        self.quota = _Quota(config.client_quota_rps, config.client_quota_burst)
+        self.quota = ClientQuota(
+            config.client_quota_rps,
+            config.client_quota_burst,
+            config.client_quota_max_clients,
+            config.trusted_proxies,
+        )
         self._api_key = config.api_key.encode() if config.api_key else None
         self._client_checks = self._api_key is not None or config.client_quota_rps > 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -327,22 +313,41 @@ class App:
 
     def _check_client(self, call: Call) -> None:
         """Auth first (401 touches nothing), then the client's own quota (429)."""
-        auth = call.headers.get(b"authorization", b"")
-        if self._api_key is not None:
-            token = auth[7:] if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self._api_key):
-                raise UnauthorizedError(
-                    "missing or wrong API key: send `Authorization: Bearer <key>`"
-                )
+        self._check_auth(call)
         if self.config.client_quota_rps > 0:
-            client = auth or call.headers.get(b"x-client-id") or call.client.encode()
-            wait = self.quota.take(client.decode("latin-1"), call.t_read)
+            client = self.quota.identity(call.headers, call.client, self._api_key)
+            wait = self.quota.take(client, call.t_read)
             if wait > 0:
                 raise QuotaExceededError(
                     f"client over its quota of {self.config.client_quota_rps:g} requests/s; "
                     "slow down",
                     retry_after_s=wait,
                 )
+
+    def _check_auth(self, call: Call) -> None:
+        if self._api_key is not None:
+            token = bearer_token(call.headers.get(b"authorization")) or b""
+            if not hmac.compare_digest(token, self._api_key):
+                raise UnauthorizedError(
+                    "missing or wrong API key: send `Authorization: Bearer <key>`"
+                )
+
+    def precheck(self, call: Call) -> TailguardError | None:
+        """What refuses a request from its head alone (route, method, API key), asked before
+        answering `Expect: 100-continue`: a client told 404 or 401 never sends its body."""
+        route = self.routes.get(call.path)
+        if route is None:
+            return NotFoundError(f"no route {call.path}; see /openapi.json")
+        if call.method not in route.methods:
+            return MethodNotAllowedError(
+                f"{call.method} is not allowed on {call.path}; use {' or '.join(route.methods)}"
+            )
+        if route.api:
+            try:
+                self._check_auth(call)
+            except UnauthorizedError as e:
+                return e
+        return None
 
     def token_text(self, token_id: int) -> str:
         """One token's text, memoised: top-k answers decode the same few ids over and over."""

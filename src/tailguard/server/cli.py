@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _metavar(type_text: str) -> str:
     base = type_text.replace("| None", "").strip()
+    if base.startswith("tuple[str"):
+        return "ADDR,ADDR,..."
     return {"int": "N", "float": "X", "str": "TEXT"}.get(base, "N,N,...")
 
 

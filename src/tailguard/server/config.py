@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import ipaddress
 import itertools
 import os
 import tomllib
@@ -63,6 +64,27 @@ class ServerConfig:
     server never closes a connection a proxy is about to reuse."""
     max_body_bytes: int = 1_048_576
     """Largest request body accepted (413 beyond it)."""
+    max_url_bytes: int = 8192
+    """Longest request target (path and query) accepted (414 beyond it)."""
+    max_header_bytes: int = 32_768
+    """Most bytes of request line and headers (names and values) per request (431 beyond it)."""
+    max_header_count: int = 100
+    """Most header fields per request (431 beyond it)."""
+    header_timeout_s: float = 10.0
+    """Time a client has to send a whole request head (request line and headers), counted from
+    its first byte; also how long a new connection may stay silent before its first request
+    (408 and close beyond it)."""
+    body_timeout_s: float = 30.0
+    """Time a client has to send a whole request body, counted from the end of its headers (408
+    and close beyond it). 30 s for the default max_body_bytes is ~35 KB/s."""
+    send_timeout_s: float = 30.0
+    """Longest a connection may keep answer bytes unsent because the client does not read
+    (a stalled stream, unread pipelined answers); beyond it the connection is aborted and its
+    request cancelled."""
+    linger_timeout_s: float = 5.0
+    """After answering a request it will not read (413, 431, 414, a refused 100-continue...),
+    the server keeps reading and discarding what the client still sends for up to this long
+    before closing, so the client reads the answer instead of a connection reset."""
     ssl_certfile: str | None = None
     """TLS certificate (PEM); TLS is on when both certfile and keyfile are set."""
     ssl_keyfile: str | None = None
@@ -87,9 +109,16 @@ class ServerConfig:
     """Degradation cache: most bytes of response bodies kept."""
     client_quota_rps: float = 0.0
     """Per-client request quota (requests/s; 0: no quota). A client over it gets 429. The client
-    is the API key if one is sent, else X-Client-Id, else the peer address."""
+    is its X-Client-Id when the connection comes from one of `trusted_proxies`, else its peer
+    address together with its API key (when `api_key` is set)."""
     client_quota_burst: int = 100
     """Per-client quota burst size (requests)."""
+    client_quota_max_clients: int = 100_000
+    """Most clients whose quota state is kept; beyond it the least recently seen is forgotten
+    (a client idle for burst / rps seconds has a full bucket anyway)."""
+    trusted_proxies: tuple[str, ...] = ()
+    """Addresses or networks (comma-separated, e.g. 10.0.0.0/8,127.0.0.1) of proxies whose
+    X-Client-Id header names the client for the quota; from anyone else it is ignored."""
     simulated_tokens_per_s: float = 20_000.0
     """--engine simulated: tokens processed per second (in steps of max_num_batched_tokens)."""
     simulated_step_overhead_ms: float = 2.0
@@ -140,6 +169,20 @@ class ServerConfig:
             f"keepalive_timeout_s={self.keepalive_timeout_s}: must be >= 1 (default 75)",
         )
         need(self.max_body_bytes >= 1024, f"max_body_bytes={self.max_body_bytes}: must be >= 1024")
+        need(self.max_url_bytes >= 256, f"max_url_bytes={self.max_url_bytes}: must be >= 256")
+        need(
+            self.max_header_bytes >= self.max_url_bytes + 1024,
+            f"max_header_bytes={self.max_header_bytes} leaves too little room for headers after "
+            f"max_url_bytes={self.max_url_bytes} (the request line counts too): raise "
+            f"max_header_bytes to at least {self.max_url_bytes + 1024} or lower max_url_bytes",
+        )
+        need(
+            self.max_header_count >= 8,
+            f"max_header_count={self.max_header_count}: must be >= 8 (default 100)",
+        )
+        for name in ("header_timeout_s", "body_timeout_s", "send_timeout_s", "linger_timeout_s"):
+            value = getattr(self, name)
+            need(value > 0, f"{name}={value}: must be > 0")
         need(
             (self.ssl_certfile is None) == (self.ssl_keyfile is None),
             "ssl_certfile and ssl_keyfile go together: set both for TLS, or neither",
@@ -152,6 +195,18 @@ class ServerConfig:
             self.client_quota_rps >= 0 and self.client_quota_burst >= 1,
             "client_quota_rps must be >= 0 and client_quota_burst >= 1",
         )
+        need(
+            self.client_quota_max_clients >= 1,
+            f"client_quota_max_clients={self.client_quota_max_clients}: must be >= 1",
+        )
+        for proxy in self.trusted_proxies:
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                raise ConfigError(
+                    f"trusted_proxies: {proxy!r} is not an IP address or network "
+                    "(e.g. 10.0.0.5 or 10.0.0.0/8)"
+                ) from None
         need(
             self.simulated_tokens_per_s > 0 and self.simulated_step_overhead_ms >= 0,
             "simulated_tokens_per_s must be > 0 and simulated_step_overhead_ms >= 0",
@@ -265,6 +320,9 @@ def convert(name: str, type_text: str, value: Any) -> Any:
             return None
         raise ConfigError(f"{name}: a value is required")
     try:
+        if base.startswith("tuple[str"):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(str(x).strip() for x in items if str(x).strip())
         if base.startswith("tuple"):
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(int(x) for x in items)

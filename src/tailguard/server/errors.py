@@ -1,8 +1,8 @@
 """The one place that maps an error to an HTTP answer: status, OpenAI-shaped body, headers, label.
 
 Every TailguardError subclass already knows its status and metric label (tailguard.errors); this
-module adds the headers (Retry-After for 429/503, Allow for 405, Connection: close for 413) and
-turns anything else into a 500 that does not leak internals.
+module adds the headers (Retry-After for 429/503, Allow for 405, WWW-Authenticate for 401,
+Connection: close for 413) and turns anything else into a 500 that does not leak internals.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from tailguard.errors import (
     PayloadTooLargeError,
     QuotaExceededError,
     TailguardError,
+    UnauthorizedError,
 )
 
 __all__ = ["ErrorAnswer", "error_answer"]
@@ -45,6 +46,8 @@ def error_answer(exc: BaseException, *, allow: str | None = None) -> ErrorAnswer
         body["error"]["retry_after_s"] = round(retry, 3)  # type: ignore[index]
     if isinstance(exc, PayloadTooLargeError):
         headers.append((b"connection", b"close"))  # do not wait for the rest of a huge body
+    if isinstance(exc, UnauthorizedError):
+        headers.append((b"www-authenticate", b'Bearer realm="tailguard"'))  # RFC 6750 3
     if exc.status == 405 and allow:
         headers.append((b"allow", allow.encode()))
     return ErrorAnswer(exc.status, orjson.dumps(body), headers, exc.label)

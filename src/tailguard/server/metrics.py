@@ -215,6 +215,12 @@ class ServerMetrics:
             "tailguard_connections_opened", "TCP connections accepted", registry=r
         )
         self.conn_active = Gauge("tailguard_connections_active", "Open TCP connections", registry=r)
+        self.conn_cut = Counter(
+            "tailguard_connections_cut",
+            "Connections the server closed on a timeout or aborted",
+            ["reason"],
+            registry=r,
+        )
         self.req_per_conn = Histogram(
             "tailguard_requests_per_connection",
             "Requests per closed connection",
@@ -342,6 +348,11 @@ class ServerMetrics:
         """A connection closed after `requests` requests (`tailguard_requests_per_connection`)."""
         self._conn_active -= 1
         self._per_conn.observe(requests)
+
+    def connection_cut(self, reason: str) -> None:
+        """The server ended a connection: idle, header_timeout, body_timeout, send_timeout,
+        linger_timeout (`tailguard_connections_cut_total{reason}`; rare, so counted directly)."""
+        self.conn_cut.labels(reason).inc()
 
     # ---- the GC callback: time every collection in this process -----------------------------
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:

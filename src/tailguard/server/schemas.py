@@ -30,7 +30,10 @@ Timeout = Annotated[float, Meta(gt=0, description="deadline in seconds (capped b
 MaxTokens = Annotated[int, Meta(ge=1, le=1_000_000)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-TokenId = Annotated[int, Meta(ge=0)]
+# Bounded so that no client number overflows a 64-bit field downstream (cache keys, the
+# engine's sampler): a value out of range is a 400 naming the field, never a 500.
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -45,7 +48,7 @@ class _Sampling(_Common, kw_only=True):
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     n: Annotated[int, Meta(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -81,7 +84,7 @@ class EmbeddingRequest(_Common, kw_only=True):
     # list forms are checked in `inputs()`.
     input: str | Annotated[list[Any], Meta(min_length=1, max_length=2048)]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: Annotated[int, Meta(ge=1, le=1_000_000)] | None = None
 
     def inputs(self) -> list[str | list[int]]:
         if isinstance(self.input, str):
@@ -135,6 +138,11 @@ def decode(body: bytes, cls: type[T]) -> T:
         ) from None
     except msgspec.DecodeError as e:
         raise InvalidRequestError(f"malformed JSON body: {e}") from None
+    except RecursionError:  # msgspec recurses per nesting level, even into ignored fields
+        raise InvalidRequestError(
+            "malformed JSON body: nested too deeply; send at most a few levels of arrays and "
+            "objects"
+        ) from None
 
 
 def openapi_document(model_name: str) -> dict[str, Any]:
