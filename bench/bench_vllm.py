@@ -246,6 +246,7 @@ def main() -> int:
     tg, vl = results.get("tailguard", []), results.get("vllm", [])
     if not tg or not vl:
         return 0
+    target = 1.5 if args.preset == "embedded" and args.model is None else 1.2  # issue 12
     for c in args.concurrency:
         t = statistics.mean(x[c].tok_s for x in tg)
         v = statistics.mean(x[c].tok_s for x in vl)
@@ -253,7 +254,7 @@ def main() -> int:
         vp = max(x[c].ttft_ms(0.99) for x in vl)
         print(
             f"RATIO c={c} prompt={args.prompt}: tailguard/vllm output tok/s {t / v:.2f}x "
-            f"({t:.0f} vs {v:.0f}; target >= 1.2x); first-token p99 {tp:.0f} vs {vp:.0f} ms"
+            f"({t:.0f} vs {v:.0f}; target >= {target}x); first-token p99 {tp:.0f} vs {vp:.0f} ms"
         )
     return 0
 
