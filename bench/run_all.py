@@ -19,6 +19,7 @@ HERE = Path(__file__).parent
 BENCHES: dict[str, list[str]] = {
     "model": ["model_forward.py"],
     "engine": ["bench_engine.py"],
+    "vllm": ["bench_vllm.py", "--engine-threads", "2"],  # skips vLLM without /work/vllm-venv
     "frontend": ["bench_frontend.py"],
     "overload": ["bench_overload.py"],
     "load": ["bench_load.py"],

@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("tailguard.server.cli", "start the OpenAI-compatible server"),
     "generate": ("tailguard.engine.cli", "one-shot generation from the command line"),
+    "model": ("tailguard.model.cli", "write benchmark checkpoints (model synth)"),
     "load": ("tailguard.tools.load.cli", "open-loop load tester and SLA gate"),
     "batch": ("tailguard.tools.batch.cli", "resumable OpenAI-Batch runner"),
     "doctor": ("tailguard.tools.doctor.cli", "name the cause of a latency spike"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
@@ -13,7 +14,14 @@ from tailguard.engine.allocator import (
     configure_cuda_allocator,
     from_memory_stats,
 )
-from tailguard.engine.buckets import ShapeTracker, bucket_for, warmup_shapes
+from tailguard.engine.buckets import (
+    ShapeTracker,
+    attention_shapes,
+    block_ladder,
+    bucket_for,
+    group_shape,
+    step_keys,
+)
 from tailguard.engine.config import EngineConfig
 from tailguard.errors import ConfigError
 
@@ -66,23 +74,47 @@ def test_bucket_for_picks_the_smallest_bucket_that_fits() -> None:
         bucket_for((16, 32), 33)
 
 
-def test_warmup_shapes_cover_every_shape_the_scheduler_can_produce() -> None:
-    cfg = EngineConfig()
-    shapes = set(warmup_shapes(cfg.seq_buckets, cfg.token_buckets))
-    for seqs in range(1, cfg.max_num_seqs + 1):
-        for toks in (seqs, min(cfg.max_num_batched_tokens, seqs * 37), cfg.max_num_batched_tokens):
-            shape = (bucket_for(cfg.seq_buckets, seqs), bucket_for(cfg.token_buckets, toks))
-            assert shape in shapes
+def test_block_ladder_pads_contexts_by_at_most_one_and_a_half() -> None:
+    assert block_ladder(128) == (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+    assert block_ladder(129)[-1] == 192 and block_ladder(1) == (4,)
+    ladder = block_ladder(256)
+    assert max(bucket_for(ladder, n) / n for n in range(4, 257)) <= 1.5
 
 
-def test_shape_tracker_reports_shapes_new_after_warmup() -> None:
+def test_group_shape_pads_each_attention_dimension() -> None:
+    ladder = block_ladder(128)
+    assert group_shape(5, 1, 9, ladder) == ("attn", 8, 1, 12)  # decodes: Q stays 1
+    assert group_shape(1, 2, 1, ladder) == ("attn", 1, 16, 4)
+    assert group_shape(3, 100, 33, ladder) == ("attn", 4, 128, 48)
+
+
+def test_attention_shapes_cover_every_group_the_budgets_allow() -> None:
+    """Random groups that fit the budgets (the scheduler's only constraints on a group): each
+    one's padded shape is in the warm-up set; and the set is not everything (it is pruned)."""
+    seqs, budget, bs = 32, 256, 16
+    ladder = block_ladder(2048 // bs)
+    shapes = set(attention_shapes(seqs, budget, bs, ladder))
+    rng = random.Random(3)
+    for _ in range(20_000):
+        decode = rng.random() < 0.3
+        n = rng.randint(1, seqs if decode else budget // 2)
+        news = [1] * n if decode else [rng.randint(2, budget) for _ in range(n)]
+        if sum(news) > budget:
+            continue
+        tables = [rng.randint(-(-new // bs), 2048 // bs) for new in news]
+        assert group_shape(n, max(news), max(tables), ladder) in shapes
+    assert ("attn", 32, 256, 4) not in shapes  # 17+ sequences of 129+ tokens: over budget
+
+
+def test_shape_tracker_reports_op_shapes_new_after_warmup() -> None:
     t = ShapeTracker()
-    t.record((1, 16))
+    t.record(step_keys(16, 1, [("attn", 1, 16, 4)]))
     t.mark_warm()
-    t.record((1, 16))
+    t.record(step_keys(16, 1, [("attn", 1, 16, 4)]))
     assert t.after_warmup == set()
-    t.record((2, 32))
-    assert t.after_warmup == {(2, 32)}
+    t.record(step_keys(16, 0, [("attn", 1, 16, 5)]))  # only the attention dims differ
+    assert t.after_warmup == {("attn", 1, 16, 5)}
+    assert t.seen == {("tokens", 16), ("logits", 1), ("attn", 1, 16, 4), ("attn", 1, 16, 5)}
 
 
 def test_config_refuses_clashing_values_naming_both() -> None:

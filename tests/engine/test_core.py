@@ -41,6 +41,13 @@ def tokens(outs: list[EngineOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
+def assert_no_new_shapes(core: EngineCore, shapes_after_warmup: int) -> None:
+    """The check the memory tests rely on: every op shape served was run by warm-up."""
+    escaped = core.runner.shapes.after_warmup
+    assert escaped == set(), f"op shapes not run by warm-up: {sorted(escaped, key=str)}"
+    assert core.stats().distinct_shapes == shapes_after_warmup
+
+
 @pytest.fixture(scope="module")
 def core(tiny_model_dir: Path) -> EngineCore:
     c = EngineCore(tiny_engine_config(tiny_model_dir), tiny_model_dir)
@@ -177,8 +184,7 @@ def test_two_thousand_random_requests_allocate_nothing_after_warmup(micro_model_
     after = core.stats()
     assert done == 2000 and after.finished_total - before.finished_total == 2000
     assert after.kv_allocations_total == before.kv_allocations_total
-    assert core.runner.shapes.after_warmup == set()
-    assert after.distinct_shapes == before.distinct_shapes
+    assert_no_new_shapes(core, before.distinct_shapes)
     assert after.kv_blocks_used == 0
     assert after.allocator.rss_bytes - rss_start < 50 * 2**20
 
@@ -203,3 +209,48 @@ def test_abort_mid_generation_returns_blocks(core: EngineCore) -> None:
     out = core.abort("long")
     assert out is not None and out.finish_reason == FinishReason.ABORTED
     assert core.stats().kv_blocks_used == 0 and not core.has_work()
+
+
+def test_an_escaped_attention_shape_fails_the_no_new_shape_check(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Serve with block tables left unpadded (as if a dimension escaped its bucket): the
+    check that the 2,000-request test relies on must fail, naming the shape."""
+    import tailguard.engine.runner as runner_mod
+
+    core = EngineCore(tiny_engine_config(tiny_model_dir), tiny_model_dir)
+    core.warmup()
+    warm = core.stats().distinct_shapes
+    padded = runner_mod.group_shape
+
+    def unpadded_blocks(n: int, q: int, blocks: int, ladder: tuple[int, ...]) -> tuple:
+        key = padded(n, q, blocks, ladder)
+        return (*key[:3], blocks)
+
+    monkeypatch.setattr(runner_mod, "group_shape", unpadded_blocks)
+    core.add(gen("x", list(range(3, 73)), max_tokens=2))  # 70 + 2 tokens: 5 blocks, not 4 or 6
+    drain(core)
+    assert core.runner.shapes.after_warmup == {("attn", 1, 128, 5), ("attn", 1, 1, 5)}
+    with pytest.raises(AssertionError, match=r"\('attn', 1, 128, 5\)"):
+        assert_no_new_shapes(core, warm)
+
+
+def test_prepacked_and_plain_weights_generate_the_same_tokens(tiny_model_dir: Path) -> None:
+    """oneDNN-packed weights (the default on CPU) against plain F.linear, greedy, fp32 and bf16:
+    token-identical, and the packed path really ran (no plain weight left)."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(3, 120))] for _ in range(6)]
+    for dtype in ("float32", "bfloat16"):
+        got = {}
+        for packed in (True, False):
+            c = EngineCore(
+                tiny_engine_config(
+                    tiny_model_dir, dtype=dtype, prepack_weights=packed, warmup=False
+                ),
+                tiny_model_dir,
+            )
+            assert (c.runner.model.lm_head is None) == packed  # the plain head was dropped
+            for i, p in enumerate(prompts):
+                c.add(gen(f"r{i}", p, max_tokens=12))
+            got[packed] = {rid: tokens(o) for rid, o in drain(c).items()}
+        assert got[True] == got[False], dtype

@@ -48,7 +48,7 @@ class EngineStats(msgspec.Struct):
     oom_retries_total: int = 0  # batch splits after an OOM
     oom_failures_total: int = 0  # requests failed because they OOM even alone
     kv_allocations_total: int = 0  # KV tensors allocated (must not grow after warm-up)
-    distinct_shapes: int = 0  # distinct (seqs, tokens) forward shapes executed so far
+    distinct_shapes: int = 0  # distinct op shapes run or declared by warm-up, plus escapes
     warmup_done: bool = False
     max_num_seqs: int = 0  # batch capacity (for "batches full?" questions)
     max_num_batched_tokens: int = 0

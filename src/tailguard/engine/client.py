@@ -147,6 +147,10 @@ class EngineClient:
         # Idle OpenMP workers sleep instead of spinning: on a machine whose cores the HTTP
         # process also needs, spinning workers steal them and stall every small op's barrier.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # ...but spin briefly (libgomp: ~0.1 ms) between the ops of one forward, where the gap
+        # is microseconds: sleeping there cost a 246M-parameter model's decode step ~40%
+        # (2 cores, 8 streams: 63 -> 95 tok/s; docs/benchmarks.md, issue 12).
+        env.setdefault("GOMP_SPINCOUNT", "200000")
         cfg = json.dumps(dataclasses.asdict(self.config))
         self._proc = subprocess.Popen(
             [

@@ -65,6 +65,9 @@ class EngineConfig:
     seed: int = 0
     warmup: bool = True
     """Run every bucket shape once before reporting ready."""
+    prepack_weights: bool = True
+    """CPU: reorder every weight once into oneDNN's blocked layout (fp32/bf16). Measured on 2
+    cores, 246M-parameter model in bf16: decode step at batch 8 80 -> 63 ms, same tokens."""
     oom_test_hook: str | None = None
     """Tests only: request ids (comma-separated) whose batches raise OutOfMemoryError."""
 

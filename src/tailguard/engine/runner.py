@@ -2,8 +2,9 @@
 one padded forward pass, and samples.
 
 Memory is allocated once: the KV cache at start-up (sized from config, or on CUDA from the free
-memory left after a warm-up forward at the largest bucket), and every forward is padded to a
-(sequences, tokens) bucket so the allocator only ever sees shapes it met during warm-up.
+memory left after a warm-up forward at the largest bucket), and every op of a forward is padded
+to a bucket (engine/buckets.py: tokens, logits rows, attention group G x Q x B) so the allocator
+only ever sees shapes it met during warm-up; `shapes` records the full key of every op run.
 """
 
 from __future__ import annotations
@@ -17,19 +18,20 @@ import torch
 
 from tailguard.core.request import EngineRequest, Pooling, RequestKind
 from tailguard.core.scheduler import ScheduledSeq, SeqResult
-from tailguard.engine.buckets import ShapeTracker, bucket_for, pow2_at_least, warmup_shapes
+from tailguard.engine.buckets import (
+    ShapeKey,
+    ShapeTracker,
+    attention_shapes,
+    block_ladder,
+    bucket_for,
+    group_shape,
+    step_keys,
+)
 from tailguard.engine.config import EngineConfig
 from tailguard.model.batch import NULL_BLOCK, AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
 from tailguard.model.loader import best_cpu_dtype, load_model, resolve_dtype
-from tailguard.model.mistral import allocate_kv_cache
-
-QUERY_PAD = 16  # prefill chunk lengths pad to a multiple of this (decodes: 1)
-BLOCKS_PAD = 4  # context pads to a multiple of this many blocks
-
-
-def round_up(n: int, multiple: int) -> int:
-    return n if n == 1 else -(-n // multiple) * multiple
+from tailguard.model.mistral import DecoderLayer, allocate_kv_cache, attention_mask
 
 
 class InjectedOOM(torch.OutOfMemoryError):
@@ -67,10 +69,14 @@ class ModelRunner:
         self.dtype = choose_dtype(config)
         self.model, self.mcfg = load_model(model_dir, dtype=self.dtype, device=config.device)
         self.model.eval()
+        if config.prepack_weights:
+            self.model.prepack()  # a no-op where oneDNN packing does not apply (CUDA, fp16)
         self.max_model_len = config.max_model_len or self.mcfg.max_position_embeddings
+        self.blocks_ladder = block_ladder(math.ceil(self.max_model_len / config.block_size))
         self.shapes = ShapeTracker()
-        self.last_shape: tuple[int, int] = (0, 0)
+        self.last_shape: tuple[int, int] = (0, 0)  # (logits rows, tokens) of the last step
         self.kv_allocations = 0
+        self._device_allocs_before_kv = _device_allocs(self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.layout = self._allocate_kv()
         self._pool_sums: dict[str, torch.Tensor] = {}  # request id -> running hidden sum (fp32)
@@ -97,6 +103,15 @@ class ModelRunner:
         self.kv_allocations += 2 * len(self.kv_caches)
         return KVLayout(num_blocks, self.config.block_size, per_block)
 
+    def device_allocations(self) -> int:
+        """KV and device allocations so far. CUDA: measured, the caching allocator's
+        `num_device_alloc` (cudaMalloc calls) since just before the pool was allocated; it
+        grows after warm-up only if some op needed memory of a size not cached. CPU has no such
+        counter: the count of KV tensors the runner allocated (process RSS is the CPU check)."""
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            return _device_allocs(self.device) - self._device_allocs_before_kv
+        return self.kv_allocations
+
     def _cuda_num_blocks(self, per_block: int) -> int:  # pragma: no cover - needs a GPU
         """Warm up once at the largest bucket with a minimal pool, then give the pool a fraction
         of what is free: activation peaks are measured, not guessed."""
@@ -105,7 +120,9 @@ class ModelRunner:
             self.mcfg, probe_blocks, self.config.block_size, self.dtype, self.device
         )
         self.layout = KVLayout(probe_blocks, self.config.block_size, per_block)
-        self._dummy_forward(self.config.seq_buckets[-1], self.config.token_buckets[-1])
+        self._dummy_forward(self.config.token_buckets[-1], self.config.seq_buckets[-1])
+        for key in self._attention_shapes()[-8:]:  # the largest groups: the activation peak
+            self._dummy_attention(key)
         torch.cuda.synchronize(self.device)
         self.kv_caches = []
         torch.cuda.empty_cache()
@@ -123,64 +140,102 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
     # ---- execution -----------------------------------------------------------------------
+    def _attention_shapes(self) -> list[ShapeKey]:
+        c = self.config
+        return attention_shapes(
+            c.max_num_seqs, c.max_num_batched_tokens, c.block_size, self.blocks_ladder
+        )
+
     def warmup(self) -> list[tuple[int, int, float]]:
-        """Run every bucket shape once, then the largest attention layouts serving can produce,
-        so the allocator's high-water mark is reached before the first request. Returns
-        (sequences, tokens, seconds) of each bucket's forward: a first calibration of step cost."""
+        """Run every op shape serving can produce once: a forward per token bucket, the output
+        head per sequence bucket, and (CUDA) every attention group shape alone (one layer's op,
+        the same in every layer), so the allocator's high-water mark is reached before the
+        first request; on CPU the attention shapes are declared, not run (buckets.py). Returns
+        (sequences, tokens, seconds) of each token bucket's forward: a first calibration of
+        step cost."""
         timings = []
-        for num_seqs, num_tokens in warmup_shapes(
-            self.config.seq_buckets, self.config.token_buckets
-        ):
+        for num_tokens in self.config.token_buckets:
             t0 = time.perf_counter()
-            self._dummy_forward(num_seqs, num_tokens)
-            timings.append((num_seqs, num_tokens, time.perf_counter() - t0))
-        max_blocks = round_up(math.ceil(self.max_model_len / self.config.block_size), BLOCKS_PAD)
-        self._dummy_forward(self.config.seq_buckets[-1], self.config.token_buckets[-1], max_blocks)
-        self._dummy_forward(1, self.config.token_buckets[-1], max_blocks)
+            self._dummy_forward(num_tokens, self.config.seq_buckets[0])
+            timings.append((1, num_tokens, time.perf_counter() - t0))
+        hidden = torch.zeros(
+            self.config.seq_buckets[-1], self.mcfg.hidden_size, dtype=self.dtype, device=self.device
+        )
+        with torch.inference_mode():
+            for rows in self.config.seq_buckets:
+                self.model.compute_logits(hidden[:rows])
+                self.shapes.record([("logits", rows)])
+            if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+                for key in self._attention_shapes():
+                    self._dummy_attention(key)
+            else:
+                self.shapes.allow(self._attention_shapes())
         self.shapes.mark_warm()
         return timings
 
-    def _dummy_forward(self, num_seqs: int, num_tokens: int, table_width: int = 1) -> None:
-        """A forward of exactly this bucket shape that only touches the null block."""
-        per_seq = [num_tokens // num_seqs] * num_seqs
-        per_seq[0] += num_tokens - sum(per_seq)
-        groups = []
-        start = 0
-        for q in sorted(set(per_seq)):
-            rows = [i for i, n in enumerate(per_seq) if n == q]
-            index = torch.tensor([[start + r * q + j for j in range(q)] for r in range(len(rows))])
-            start += len(rows) * q
-            groups.append(
-                AttnGroup(
-                    token_index=index,
-                    block_tables=torch.full((len(rows), table_width), NULL_BLOCK, dtype=torch.long),
-                    context_lens=torch.full((len(rows),), q, dtype=torch.long).clamp(
-                        max=self.config.block_size
-                    ),
-                    query_start=torch.zeros(len(rows), dtype=torch.long),
-                )
-            )
+    def _dummy_forward(self, num_tokens: int, logits_rows: int) -> None:
+        """A whole forward over `num_tokens` tokens (one sequence: one attention group) that
+        only touches the null block, then the head over `logits_rows` rows."""
+        key = group_shape(1, num_tokens, 1, self.blocks_ladder)
+        group = self._null_group(key, num_tokens)
         batch = ForwardBatch(
-            input_ids=torch.zeros(num_tokens, dtype=torch.long),
-            positions=torch.zeros(num_tokens, dtype=torch.long),
-            slot_mapping=torch.zeros(num_tokens, dtype=torch.long),
-            groups=tuple(_to(g, self.device) for g in groups),
+            input_ids=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+            positions=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+            groups=(group,),
         )
         with torch.inference_mode():
-            hidden = self.model(_to_batch(batch, self.device), self.kv_caches)
-            self.model.compute_logits(hidden[:num_seqs])
-        self.shapes.record((num_seqs, num_tokens))
+            hidden = self.model(batch, self.kv_caches)
+            self.model.compute_logits(hidden[:logits_rows])
+        self.shapes.record(step_keys(num_tokens, logits_rows, [key]))
+
+    def _null_group(self, key: ShapeKey, num_tokens: int) -> AttnGroup:
+        """A group of shape `key` whose queries are the first tokens (the rest padding) and
+        whose tables point at the null block only."""
+        _, g, q, b = key
+        assert isinstance(g, int) and isinstance(q, int) and isinstance(b, int)
+        index = torch.arange(g * q, device=self.device).clamp(max=num_tokens).view(g, q)
+        return AttnGroup(
+            token_index=index,
+            block_tables=torch.full((g, b), NULL_BLOCK, dtype=torch.long, device=self.device),
+            context_lens=torch.ones(g, dtype=torch.long, device=self.device),
+            query_start=torch.zeros(g, dtype=torch.long, device=self.device),
+        )
+
+    def _dummy_attention(self, key: ShapeKey) -> None:
+        """Layer 0's attention op alone on one group shape, reading the null block."""
+        _, g, q, b = key
+        assert isinstance(g, int) and isinstance(q, int) and isinstance(b, int)
+        layer = self.model.layers[0]
+        assert isinstance(layer, DecoderLayer)
+        attn = layer.attn
+        n_tok = g * q
+        group = self._null_group(key, n_tok)
+        q_ext = torch.zeros(
+            n_tok + 1, attn.n_head, attn.head_dim, dtype=self.dtype, device=self.device
+        )
+        out = torch.zeros(
+            n_tok + 1, attn.n_head * attn.head_dim, dtype=self.dtype, device=self.device
+        )
+        k_cache, v_cache = self.kv_caches[0]
+        with torch.inference_mode():
+            mask = attention_mask(
+                group, n_tok, b * self.config.block_size, self.mcfg.sliding_window, self.dtype
+            )
+            attn.attend(q_ext, group, mask, k_cache, v_cache, out)
+        self.shapes.record([key])
 
     def execute(self, items: list[ScheduledSeq]) -> list[SeqResult]:
         if self._oom_ids and not self._oom_ids.isdisjoint(i.seq.request_id for i in items):
             raise InjectedOOM(f"injected out-of-memory (test hook) in a batch of {len(items)}")
-        plan = _Plan.build(items, self.config, self.device)
+        plan = _Plan.build(items, self.config, self.blocks_ladder, self.device)
         with torch.inference_mode():
             hidden = self.model(plan.batch, self.kv_caches)  # [T, hidden]
             rows = hidden[plan.last_index]  # [S, hidden]: each sequence's last new token
-            logits = self.model.compute_logits(rows) if plan.needs_logits else None  # [S, vocab]
+            # [S, vocab] in the model dtype; fp32 rows are made only where sampled or scored
+            logits = self.model.head(rows) if plan.needs_logits else None
             results = self._results(items, plan, hidden, rows, logits)
-        self.shapes.record(plan.shape)
+        self.shapes.record(plan.keys)
         self.last_shape = plan.shape
         return results
 
@@ -209,7 +264,7 @@ class ModelRunner:
             )
             top = None
             if req.kind == RequestKind.SCORE and req.top_k > 0 and logits is not None:
-                logp = torch.log_softmax(logits[i], dim=-1)
+                logp = torch.log_softmax(logits[i].float(), dim=-1)
                 vals, ids = logp.topk(min(req.top_k, logp.numel()))
                 top = list(zip(ids.tolist(), vals.tolist(), strict=True))
             token = None
@@ -225,7 +280,7 @@ class ModelRunner:
         return results
 
     def _accumulate(self, rid: str, item: ScheduledSeq, chunk: torch.Tensor) -> None:
-        total = chunk.float().sum(dim=0)  # [hidden]
+        total = chunk.sum(dim=0, dtype=torch.float32)  # [hidden]; no [n, hidden] fp32 copy
         if item.start == 0 or rid not in self._pool_sums:  # first chunk (or recomputed)
             self._pool_sums[rid] = total
         else:
@@ -257,12 +312,18 @@ class _Plan:
 
     batch: ForwardBatch
     shape: tuple[int, int]  # (sequence bucket, token bucket)
+    keys: list[ShapeKey]  # every op shape this step runs (engine/buckets.py)
     last_index: torch.Tensor  # [S_bucket] flat index of each sequence's last new token
     spans: list[tuple[int, int]]  # flat [begin, end) of each item's tokens
     needs_logits: bool
 
     @staticmethod
-    def build(items: list[ScheduledSeq], config: EngineConfig, device: torch.device) -> _Plan:
+    def build(
+        items: list[ScheduledSeq],
+        config: EngineConfig,
+        ladder: tuple[int, ...],
+        device: torch.device,
+    ) -> _Plan:
         bs = config.block_size
         num_tokens = sum(i.num_new for i in items)
         s_bucket = bucket_for(config.seq_buckets, len(items))
@@ -285,9 +346,10 @@ class _Plan:
             flat += item.num_new
         decode = [i for i, it in enumerate(items) if it.num_new == 1]
         prefill = [i for i, it in enumerate(items) if it.num_new > 1]
-        groups = tuple(
-            _group(items, spans, idx, t_bucket, device) for idx in (decode, prefill) if idx
-        )
+        built = [
+            _group(items, spans, idx, t_bucket, ladder, device) for idx in (decode, prefill) if idx
+        ]
+        groups = tuple(g for g, _ in built)
         last = [e - 1 for _, e in spans] + [t_bucket - 1] * (s_bucket - len(items))
         needs_logits = any(
             it.completes and (it.seq.request.kind != RequestKind.EMBED) for it in items
@@ -301,6 +363,7 @@ class _Plan:
         return _Plan(
             batch,
             (s_bucket, t_bucket),
+            step_keys(t_bucket, s_bucket if needs_logits else 0, [k for _, k in built]),
             torch.tensor(last, dtype=torch.long, device=device),
             spans,
             needs_logits,
@@ -312,13 +375,19 @@ def _group(
     spans: list[tuple[int, int]],
     idx: list[int],
     pad_token: int,
+    ladder: tuple[int, ...],
     device: torch.device,
-) -> AttnGroup:
-    """Sequences idx in a [G, Q] query layout; G pads to a power of two, Q and blocks to
-    multiples (attention cost grows with Q x context, so coarse padding there costs the most)."""
-    g = pow2_at_least(len(idx))
-    q = round_up(max(items[i].num_new for i in idx), QUERY_PAD)
-    nblocks = round_up(max(len(items[i].seq.block_table) for i in idx), BLOCKS_PAD)
+) -> tuple[AttnGroup, ShapeKey]:
+    """Sequences idx in a padded [G, Q] query layout with [G, B] block tables; G, Q and B are
+    buckets (engine/buckets.py), so the group's shape is one warm-up ran."""
+    key = group_shape(
+        len(idx),
+        max(items[i].num_new for i in idx),
+        max(len(items[i].seq.block_table) for i in idx),
+        ladder,
+    )
+    _, g, q, nblocks = key
+    assert isinstance(g, int) and isinstance(q, int) and isinstance(nblocks, int)
     token_index = [[pad_token] * q for _ in range(g)]
     tables = [[NULL_BLOCK] * nblocks for _ in range(g)]
     ctx = [1] * g  # padding rows see key 0 of the null block: finite, never NaN
@@ -331,28 +400,16 @@ def _group(
         tables[row][: len(bt)] = bt
         ctx[row] = it.start + it.num_new
         qstart[row] = it.start
-    return AttnGroup(
+    group = AttnGroup(
         token_index=torch.tensor(token_index, dtype=torch.long, device=device),
         block_tables=torch.tensor(tables, dtype=torch.long, device=device),
         context_lens=torch.tensor(ctx, dtype=torch.long, device=device),
         query_start=torch.tensor(qstart, dtype=torch.long, device=device),
     )
+    return group, key
 
 
-def _to(g: AttnGroup, device: torch.device) -> AttnGroup:
-    if device.type == "cpu":
-        return g
-    return AttnGroup(
-        *(
-            t.to(device, non_blocking=True)
-            for t in (g.token_index, g.block_tables, g.context_lens, g.query_start)
-        )
-    )
-
-
-def _to_batch(b: ForwardBatch, device: torch.device) -> ForwardBatch:
-    if device.type == "cpu":
-        return b
-    return ForwardBatch(
-        b.input_ids.to(device), b.positions.to(device), b.slot_mapping.to(device), b.groups
-    )
+def _device_allocs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_device_alloc", 0))  # pragma: no cover
