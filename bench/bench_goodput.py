@@ -32,13 +32,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from bench_batch import _run, run_tailguard
+from tailguard.tools.batch.report import percentile
 from tailguard.tools.lab.procs import free_port, serving
 
 WORDS = (  # noqa: SIM905 (a sentence reads better than 41 quoted words)
@@ -119,10 +120,7 @@ def _session() -> aiohttp.ClientSession:
 
 
 def pct(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))]
+    return percentile(sorted(values), q)
 
 
 # ---- 1. the oracle ----------------------------------------------------------------------------
@@ -187,7 +185,6 @@ class OpenLevel:
     admitted_p99_ms: float
     refusal_p99_ms: float
     target_goodput: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def goodput_share(self) -> float:

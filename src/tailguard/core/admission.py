@@ -62,7 +62,6 @@ from tailguard.core.calibration import Calibration, StepCostModel
 from tailguard.core.request import EngineOutput, FinishReason, Priority
 
 __all__ = [
-    "REFUSAL_CODES",
     "AdmissionConfig",
     "AdmissionController",
     "Decision",
@@ -71,8 +70,6 @@ __all__ = [
     "retry_after_header",
 ]
 
-# Decision.code of a refusal: the label of tailguard_admission_refusals_total{reason}
-REFUSAL_CODES = ("late", "deadline_passed", "queue_requests", "queue_tokens")
 _SCAN_OVERDUE = 64  # oldest in-flight requests checked for censored (overdue) samples
 
 
@@ -169,7 +166,6 @@ class WorkItem:
     priority: Priority
     prompt_tokens: int  # still to prefill (0 once the first output arrived)
     output_tokens: int  # still to generate
-    deadline_s: float  # monotonic: finish (single pass) / first token (generate)
     single_pass: bool
     decided_s: float  # monotonic: when it was admitted (the prediction's origin)
     engine_s: float  # the raw (uncalibrated) prediction of its deadline event, from decided_s
@@ -182,7 +178,9 @@ class Decision:
     engine_deadline_s: float  # monotonic: the engine must start it by then, else drop it (504)
     retry_after_s: float  # when refused: seconds until it would likely fit
     reason: str  # "" when admitted; else why, in words (for the error message)
-    code: str = ""  # "" when admitted; else one of REFUSAL_CODES (metric label)
+    # "" when admitted; else the label of tailguard_admission_refusals_total{reason}: late,
+    # deadline_passed, queue_requests or queue_tokens
+    code: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +189,6 @@ class PredictionSample:
 
     single_pass: bool
     predicted_s: float  # the calibrated bound admission planned for (front-end delay excluded)
-    engine_s: float  # the raw prediction
     actual_s: float  # decision -> the engine client read the answer / first token
 
 
@@ -200,6 +197,7 @@ class _Waiting:
     requests: int = 0
     tokens: int = 0  # prompt tokens still to prefill
     generations: int = 0  # waiting generations: each will hold a batch slot after its prefill
+    generation_outputs: int = 0  # output tokens of those generations
 
 
 @dataclass
@@ -247,6 +245,7 @@ class AdmissionController:
             w.requests += sign
             w.tokens += sign * item.prompt_tokens
             w.generations += gen
+            w.generation_outputs += gen * item.output_tokens
 
     def step_ended(self, t_s: float) -> None:
         """The engine reported a step that ended at `t_s` (monotonic): the next one began then."""
@@ -301,7 +300,7 @@ class AdmissionController:
         predicted = cal.bound(item.engine_s)
         actual_s = now_s - item.decided_s
         cal.observe(item.engine_s, actual_s, now_s)
-        return PredictionSample(item.single_pass, predicted, item.engine_s, actual_s)
+        return PredictionSample(item.single_pass, predicted, actual_s)
 
     def refresh(self, now_s: float) -> None:
         """Recompute the calibration (call every few ms): measured quantiles, plus censored
@@ -326,9 +325,8 @@ class AdmissionController:
         held = min(len(self._decoding), slots)
         tokens = ahead.tokens + prompt_tokens
         steps = math.ceil(tokens / (budget - held))
-        free = (
-            slots - held - ahead.generations
-        )  # slots left once the waiting generations hold theirs
+        # slots left once the waiting generations hold theirs
+        free = slots - held - ahead.generations
         if free >= 1:
             steps = max(steps, math.ceil((ahead.requests - ahead.generations + 1) / free))
         else:
@@ -347,7 +345,7 @@ class AdmissionController:
         remaining = [it.output_tokens for it in self._decoding.values()]
         if k <= len(remaining):
             return heapq.nsmallest(k, remaining)[-1]
-        waiting_out = sum(it.output_tokens for it in self._pending.values() if not it.single_pass)
+        waiting_out = self._waiting_all.generation_outputs
         rounds = (waiting_out + sum(remaining)) / self.config.max_num_seqs
         return max(remaining, default=0) + math.ceil(rounds)
 
@@ -402,9 +400,7 @@ class AdmissionController:
             code, reason = refusal
             return Decision(False, predicted, 0.0, self._retry_after(predicted, left), reason, code)
         if commit:
-            item = WorkItem(
-                priority, prompt_tokens, output_tokens, deadline_s, single_pass, now_s, engine
-            )
+            item = WorkItem(priority, prompt_tokens, output_tokens, single_pass, now_s, engine)
             self._enter(request_id, item)
         if not cfg.enabled:
             return Decision(True, predicted, math.inf, 0.0, "")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import deque
+from collections.abc import Iterable
 
 __all__ = ["EDGES_S", "Calibration", "RecentMax", "StepCostModel"]
 
@@ -83,7 +84,7 @@ class StepCostModel:
         return self.a + self.b * num_tokens
 
 
-def _quantile(samples: deque[float], q: float) -> float:
+def _quantile(samples: Iterable[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
@@ -139,7 +140,8 @@ class Calibration:
         self.max_age_s = max_age_s
         n = len(EDGES_S) + 1
         self._samples = [deque[tuple[float, float]](maxlen=window) for _ in range(n)]  # (t, excess)
-        self._dirty = False
+        self._dirty: set[int] = set()  # classes with new or expired samples
+        self._measured: list[float | None] = [None] * n  # each class's own quantile
         self._own: list[float | None] = [None] * n  # the excess planned for, per class
         self._floor: list[float] = [0.0] * n  # the bound at the top of every smaller class
         self.live_excess_s = 0.0
@@ -153,22 +155,24 @@ class Calibration:
         return sum(len(d) for d in self._samples)
 
     def observe(self, predicted_s: float, actual_s: float, now_s: float) -> None:
-        self._samples[self.size_class(predicted_s)].append((now_s, actual_s - predicted_s))
-        self._dirty = True
+        k = self.size_class(predicted_s)
+        self._samples[k].append((now_s, actual_s - predicted_s))
+        self._dirty.add(k)
 
     def refresh(self, now_s: float) -> None:
         old = now_s - self.max_age_s
-        for d in self._samples:
+        for k, d in enumerate(self._samples):
             while d and d[0][0] < old:
                 d.popleft()
-                self._dirty = True
+                self._dirty.add(k)
         if not self._dirty:
             return
-        self._dirty = False
-        measured = [
-            _quantile(deque(e for _, e in d), self.quantile) if len(d) >= self.min_samples else None
-            for d in self._samples
-        ]
+        for k in self._dirty:  # only the classes that changed are sorted again
+            d = self._samples[k]
+            enough = len(d) >= self.min_samples
+            self._measured[k] = _quantile((e for _, e in d), self.quantile) if enough else None
+        self._dirty.clear()
+        measured = self._measured
         first = next((m for m in measured if m is not None), None)
         below: float | None = None
         top = 0.0

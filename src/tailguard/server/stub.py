@@ -73,6 +73,15 @@ def _single_pass_output(req: EngineRequest, queue_s: float, compute_s: float) ->
     return out
 
 
+def _hand_over(listener: Callable[[EngineOutput], None] | None, out: EngineOutput) -> EngineOutput:
+    """Hand one output over as the real engine client does: stamped, `on_output` first, then
+    (the caller) to the request's handler."""
+    out.received_s = time.monotonic()
+    if listener is not None:
+        listener(out)
+    return out
+
+
 def _reason(stop: bool) -> FinishReason:
     return FinishReason.STOP if stop else FinishReason.LENGTH
 
@@ -120,10 +129,7 @@ class StubEngineClient:
         return self._emit(_single_pass_output(request, 0.0, 0.0))
 
     def _emit(self, out: EngineOutput) -> EngineOutput:
-        out.received_s = time.monotonic()
-        if self.on_output is not None:
-            self.on_output(out)
-        return out
+        return _hand_over(self.on_output, out)
 
     async def abort(self, request_id: str) -> None:
         return None
@@ -419,8 +425,4 @@ class SimulatedEngineClient:
         self._emit(seq, out)
 
     def _emit(self, seq: _Seq, out: EngineOutput) -> None:
-        """Hand one output over as the real client does: `on_output` first, then the handler."""
-        out.received_s = time.monotonic()
-        if self.on_output is not None:
-            self.on_output(out)
-        seq.out.put_nowait(out)
+        seq.out.put_nowait(_hand_over(self.on_output, out))
