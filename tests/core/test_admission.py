@@ -299,3 +299,17 @@ def test_config_refuses_bad_values() -> None:
         AdmissionConfig(target_quantile=1.0)
     with pytest.raises(ValueError, match="max_num_seqs"):
         AdmissionConfig(max_num_batched_tokens=64, max_num_seqs=64)
+
+
+def test_beyond_the_held_sequences_the_waiting_generations_run_through_their_outputs() -> None:
+    c = make(max_num_seqs=4)
+    decide(c, "g0", tokens=10, out=7, single=False, deadline=10.0)
+    c.observe_output(output("g0", new=1), now_s=0.0)  # held, 6 output tokens to go
+    for i in range(4):  # 4 generations waiting, 10 output tokens each: they take every slot
+        decide(c, f"w{i}", tokens=10, out=10, single=False, deadline=10.0)
+    c.step_ended(0.0)
+    d = decide(c, "s", tokens=100, deadline=10.0)
+    # 2 slots must free: g0's 6 steps, then the 46 output tokens ahead shared by 4 slots (12)
+    steps = 6 + 12 + 1
+    running = A + B * (1 + 40)  # the step now running: g0's decode and the 40 waiting prompt tokens
+    assert d.predicted_s == pytest.approx(steps * (A + B) + 140 * B + running)
