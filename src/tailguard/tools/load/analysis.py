@@ -206,20 +206,12 @@ class LoadResult:
             "verdict": self.verdict(),
             "exit_code": self.exit_code(),
             "config": {
-                "url": cfg.target_url,
-                "endpoint": cfg.endpoint,
-                "stream": cfg.stream,
+                **config_facts(cfg, self.facts.source, self.facts.source_text),
                 "timeout_s": cfg.timeout_s,
-                "profile": {k: v for k, v in asdict(p).items() if v is not None},
-                "profile_text": p.describe(),
                 "loop": p.loop_label,
                 "open_loop": p.open_loop,
                 "latency_measured_from": "intended send time" if p.open_loop else "send time",
-                "sla": [s.text for s in cfg.sla],
-                "slo_attainment": cfg.slo_attainment,
                 "metrics_url": cfg.metrics_url,
-                "source": self.facts.source,
-                "source_text": self.facts.source_text,
             },
             "wall_s": self.facts.wall_s,
             "summary": asdict(self.summary),
@@ -229,6 +221,21 @@ class LoadResult:
             "server": asdict(self.server) if self.server else None,
             "could_not_start": self.could_not_start,
         }
+
+
+def config_facts(cfg: LoadConfig, source: dict[str, object], source_text: str) -> dict[str, object]:
+    """The settings every report records (a single run's and a sweep's)."""
+    return {
+        "url": cfg.target_url,
+        "endpoint": cfg.endpoint,
+        "stream": cfg.stream,
+        "profile": {k: v for k, v in asdict(cfg.profile).items() if v is not None},
+        "profile_text": cfg.profile.describe(),
+        "sla": [s.text for s in cfg.sla],
+        "slo_attainment": cfg.slo_attainment,
+        "source": source,
+        "source_text": source_text,
+    }
 
 
 def _share_key(bound: float) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from tailguard.tools.load.analysis import LoadResult, Percentiles
+from tailguard.tools.load.analysis import LoadResult, Percentiles, config_facts
 from tailguard.tools.load.config import SWEEP_CONCURRENCY, LoadConfig, Profile
 from tailguard.tools.load.runner import ProgressCallback, run_load
 from tailguard.tools.load.sources import BodySource
@@ -135,17 +135,7 @@ class SweepResult:
             "started_at": self.started_at,
             "verdict": self.verdict(),
             "exit_code": self.exit_code(),
-            "config": {
-                "url": cfg.target_url,
-                "endpoint": cfg.endpoint,
-                "stream": cfg.stream,
-                "profile": {k: v for k, v in asdict(cfg.profile).items() if v is not None},
-                "profile_text": cfg.profile.describe(),
-                "sla": [s.text for s in cfg.sla],
-                "slo_attainment": cfg.slo_attainment,
-                "source": self.source,
-                "source_text": self.source_text,
-            },
+            "config": config_facts(cfg, self.source, self.source_text),
             "probes": [asdict(p) for p in self.probes],
             "points": [asdict(p) for p in self.points],
             "knee": asdict(self.knee) if self.knee else None,
