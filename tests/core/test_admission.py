@@ -72,17 +72,14 @@ def test_an_idle_server_admits_and_predicts_one_step() -> None:
 
 def test_refuses_only_what_is_predicted_to_be_late() -> None:
     c = make()
-    assert decide(c, "a", tokens=1000).admitted  # an idle engine starts a step for it at once
-    # its own 1,000-token step, after the step for "a" now running: 0.11 + 0.11 s
+    assert decide(c, "a", tokens=1000).admitted
+    # 2,000 tokens in 2 steps, after the 1,000-token step now running: 0.22 + 0.11 s
     d = decide(c, "b", tokens=1000, deadline=0.15)
     assert not d.admitted and d.code == "late"
-    assert d.predicted_s == pytest.approx(A + 1000 * B + (A + 1000 * B))
-    assert "predicted 220 ms to finish" in d.reason and "leaves 150 ms" in d.reason
-    assert c.queued_requests == 1  # a refusal commits nothing
-    assert decide(c, "c", tokens=1000, deadline=0.23).admitted  # a longer deadline fits
-    # "c" waits for the next step: a request now has 1,000 + 1,000 tokens ahead of its own
-    d = decide(c, "d", tokens=1000, deadline=10.0)
     assert d.predicted_s == pytest.approx(2 * A + 2000 * B + (A + 1000 * B))
+    assert "predicted 330 ms to finish" in d.reason and "leaves 150 ms" in d.reason
+    assert c.queued_requests == 1  # a refusal commits nothing
+    assert decide(c, "c", tokens=1000, deadline=0.34).admitted  # a longer deadline fits
 
 
 def test_the_running_step_counts_only_what_is_left_of_it() -> None:
@@ -90,11 +87,8 @@ def test_the_running_step_counts_only_what_is_left_of_it() -> None:
     assert decide(c, "a", tokens=1000, now=0.0).admitted
     c.step_ended(0.0)  # the step for "a" began at 0
     d = decide(c, "b", tokens=10, now=0.06, deadline=10.0)
-    # the running step takes "a": "b" has its own 10 tokens after the remaining 0.05 s
-    assert d.predicted_s == pytest.approx(A + 10 * B + (A + 1000 * B - 0.06))
-    c.step_ended(0.11)  # that step ended without "a"'s answer read yet: the next one takes both
-    d = decide(c, "c", tokens=10, now=0.11, deadline=10.0)
-    assert d.predicted_s == pytest.approx(A + 10 * B + (A + 1010 * B))
+    # 1,010 tokens in 1 step after the remaining 0.05 s of the running one
+    assert d.predicted_s == pytest.approx(A + 1010 * B + (A + 1000 * B - 0.06))
 
 
 def test_a_long_deadline_is_admitted_whatever_is_queued() -> None:
@@ -129,8 +123,8 @@ def test_interactive_work_does_not_wait_behind_waiting_batch_work() -> None:
     late = decide(c, "late-batch", tokens=400, prio=BAT)
     assert not late.admitted
     vip = decide(c, "vip", tokens=400, prio=INT, deadline=0.2)
-    # its own 400 tokens, after the step now running ("b0", which an idle engine began at once)
-    assert vip.admitted and vip.predicted_s == pytest.approx(A + 400 * B + A + 400 * B)
+    # its own 400 tokens, after the step now running (1,024 of the 1,200 batch tokens)
+    assert vip.admitted and vip.predicted_s == pytest.approx(A + 400 * B + A + 1024 * B)
 
 
 def test_full_batch_slots_wait_for_the_first_decodes_to_finish() -> None:
@@ -157,11 +151,12 @@ def test_calibration_widens_the_bound_after_late_answers_and_tightens_after_good
     c.refresh(5.0)
     assert c.calibration[True].excess_s(raw) == pytest.approx(raw)
     assert c.calibration[True].bound(raw) == pytest.approx(2 * raw)
-    # with work in flight a request plans for the calibrated bound: its step after "busy"'s
+    # with work in flight a request plans for the calibrated bound (plus the step running)
     assert decide(c, "busy", tokens=1000, deadline=10.0, now=5.0).predicted_s == pytest.approx(raw)
     d = decide(c, "x", tokens=1000, deadline=10.0, now=5.0)
-    assert d.predicted_s == pytest.approx(c.calibration[True].bound(2 * raw))
-    assert d.predicted_s > 2 * raw  # the measured excess is in it
+    two_steps = 2 * A + 2000 * B
+    assert d.predicted_s == pytest.approx(c.calibration[True].bound(two_steps) + raw)
+    assert d.predicted_s > two_steps + raw + raw  # the measured excess is in it
     c.release("x")
     c.release("busy")
     for i in range(8):  # then predictions were right: the window forgets the slow ones
@@ -323,12 +318,9 @@ def test_beyond_the_held_sequences_the_waiting_generations_run_through_their_out
     c.step_ended(0.0)
     d = decide(c, "s", tokens=100, deadline=10.0)
     # 2 slots must free: g0's 6 steps, then the 46 output tokens ahead shared by 4 slots (12)
-    decode_only = 6 + 12
-    # the step now running: g0's decode and the prompts of w0..w2 (the 3 free slots)
-    running = A + B * (1 + 30)
-    # then its own step beside g0's decode, with w3's 10 tokens still ahead
-    own = A + B * (1 + 10 + 100)
-    assert d.predicted_s == pytest.approx(decode_only * (A + B) + own + running)
+    steps = 6 + 12 + 1
+    running = A + B * (1 + 40)  # the step now running: g0's decode and the 40 waiting prompt tokens
+    assert d.predicted_s == pytest.approx(steps * (A + B) + 140 * B + running)
 
 
 def test_with_the_engines_bucket_table_a_step_is_priced_at_its_buckets() -> None:
@@ -339,14 +331,10 @@ def test_with_the_engines_bucket_table_a_step_is_priced_at_its_buckets() -> None
     c = make()
     c.engine_steps([], StepCostTable(forward=forward, head=head))
     assert decide(c, "a", tokens=600).predicted_s == pytest.approx(0.088)  # idle: one step
-    # "a" is now the step running (nothing of it elapsed); "b" runs the step after it:
-    # 40 tokens -> the 64 bucket, 1 sequence -> no head rows beyond one
+    # "a" is now the step running (nothing of it elapsed); "b" goes in one step with it:
+    # 640 tokens -> the 1024 bucket, 2 sequences -> head bucket 2
     d = decide(c, "b", tokens=40, deadline=1.0)
-    assert d.predicted_s == pytest.approx(0.088 + 0.020)
-    c.step_ended(0.0)  # a new step began with both (the answer to "a" not read yet)
-    # 640 tokens -> the 1024 bucket, 2 sequences -> head bucket 2; and "c" after it
-    d = decide(c, "c", tokens=10, deadline=1.0)
-    assert d.predicted_s == pytest.approx(0.088 + 0.003 + 0.015)
+    assert d.predicted_s == pytest.approx(0.088 + (0.088 + 0.003))
     # 30 generations decoding: a 40-token prompt beside them is a 70-token, 31-sequence step
     g = make()
     g.engine_steps([], StepCostTable(forward=forward, head=head))

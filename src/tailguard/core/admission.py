@@ -16,21 +16,23 @@ The ledger
 The prediction (a fluid model of the scheduler in core/scheduler.py)
     The engine runs the decodes of the sequences it holds (D of them) every step, then fills the
     rest of the step's token budget (B) and sequence slots (S) with waiting prompts, interactive
-    ones first. When a step begins, the controller lays it out the same way from the ledger
-    (`_take_step`): the prompts it takes are no longer ahead of a request that arrives while it
-    runs. For a new request with P prompt tokens, W waiting prompt tokens ahead of it (not in
-    the running step) and G waiting generations ahead of it (which will hold slots of their own):
+    ones first. For a new request with P prompt tokens, W waiting prompt tokens ahead of it and
+    G waiting generations ahead of it (which will hold slots of their own):
 
         steps  = max(ceil((W + P) / (B - D)),           token budget left after the decodes
                      ceil(prompts / free slots))         or, when the slots are all held, the
                                                          decode steps until enough decodes
                                                          finish first
-        engine = what is left of the running step + decode-only steps * cost(D, D)
+        engine = decode-only steps * cost(D, D)
                  + steps * cost(D + prompts per step, D + (W + P) / steps)
+                 + what is left of the step running now
         bound  = calibrated(engine) + front-end delay
 
     `cost(sequences, tokens)` is the engine's step cost (`StepCostModel`): its warm-up table of
-    what each padded shape bucket costs, times a level that follows the live steps.
+    what each padded shape bucket costs, times a level that follows the live steps. W still
+    counts the prompts the running step is taking (the ledger learns they are done only when
+    their outputs arrive): a measured alternative that lays the running step out and drops
+    them is on the branch issue-11-running-step (docs/benchmarks.md, session 18).
     `calibrated` adds the measured error of past predictions of the same size at the target
     quantile (`Calibration`, per kind). The front-end delay is what the HTTP process itself adds
     after the engine answered (its event-loop lag, the time answers took from the engine client
@@ -80,9 +82,6 @@ __all__ = [
 ]
 
 _SCAN_OVERDUE = 64  # oldest in-flight requests checked for censored (overdue) samples
-# ledger entries scanned (per priority pass) to lay out the step that just began: bounds the
-# work per engine step when a burst fills the ledger with thousands of requests
-_SCAN_STEP = 512
 
 
 @dataclass(frozen=True)
@@ -205,18 +204,6 @@ class PredictionSample:
 
 
 @dataclass(slots=True)
-class _RunningStep:
-    """The engine step running now, as laid out from the ledger when it began."""
-
-    seqs: int = 0
-    tokens: int = 0
-    taken: dict[str, int] = field(default_factory=dict)  # request -> prompt tokens it takes
-    # by interactive (True) / batch (False): prompt tokens taken, single-pass prompts taken
-    taken_tokens: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
-    taken_prompts: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
-
-
-@dataclass(slots=True)
 class _Waiting:
     requests: int = 0
     tokens: int = 0  # prompt tokens still to prefill
@@ -245,7 +232,6 @@ class AdmissionController:
         self._waiting_interactive = _Waiting()
         self._queued_tokens = 0  # prompt + remaining output over the whole ledger
         self._step_start_s = 0.0  # monotonic: when the engine's current step began (estimated)
-        self._step = _RunningStep()  # what that step is taking from the ledger
 
     # ---- ledger -------------------------------------------------------------------------------
     @property
@@ -277,62 +263,22 @@ class AdmissionController:
         follow its step cost, and the start of the step running now."""
         if costs is not None:
             self.cost.set_table(costs.forward, costs.head)
-        last = None
         for step in steps:
             self.cost.observe(step.num_tokens, step.step_s, step.num_seqs)
-            last = step.t_s
+            self.step_ended(step.t_s)
         self.cost.refit()
-        if last is not None:
-            self.step_ended(last)
 
     def step_ended(self, t_s: float) -> None:
-        """The engine reported a step that ended at `t_s` (monotonic): the next one began then,
-        with what was waiting at that moment."""
+        """The engine reported a step that ended at `t_s` (monotonic): the next one began then."""
         self._step_start_s = max(self._step_start_s, t_s)
-        self._take_step()
-
-    def _take_step(self) -> None:
-        """Lay out the step that just began as the engine's scheduler would: the held decodes,
-        then waiting prompts (interactive first, in admission order) up to the token budget and
-        the free slots. Its prompts are no longer "ahead" of a request that arrives during the
-        step: that request waits for what is left of this step, then its own."""
-        cfg = self.config
-        held = min(len(self._decoding), cfg.max_num_seqs)
-        room, slots = cfg.max_num_batched_tokens - held, cfg.max_num_seqs - held
-        step = _RunningStep(seqs=held, tokens=held)
-        for interactive in (True, False):
-            for rid, item in islice(self._items.items(), _SCAN_STEP):
-                if room <= 0 or slots <= 0:
-                    break
-                if rid in self._decoding or (item.priority == Priority.INTERACTIVE) != interactive:
-                    continue
-                take = min(item.prompt_tokens, room)
-                step.taken[rid] = take
-                step.tokens += take
-                step.seqs += 1
-                room -= take
-                slots -= 1
-                step.taken_tokens[interactive] += take
-                step.taken_prompts[interactive] += item.single_pass
-        self._step = step
-
-    def _leave_waiting(self, rid: str, item: WorkItem) -> None:
-        self._waiting(item, -1)
-        take = self._step.taken.pop(rid, None)
-        if take is not None:
-            interactive = item.priority == Priority.INTERACTIVE
-            self._step.taken_tokens[interactive] -= take
-            self._step.taken_prompts[interactive] -= item.single_pass
 
     def _enter(self, rid: str, item: WorkItem) -> None:
-        idle = not self._items
+        if not self._items:  # an idle engine starts a step for this one now
+            self._step_start_s = max(self._step_start_s, item.decided_s)
         self._items[rid] = item
         self._pending[rid] = item
         self._waiting(item, +1)
         self._queued_tokens += item.prompt_tokens + item.output_tokens
-        if idle:  # an idle engine starts a step for this one now
-            self._step_start_s = max(self._step_start_s, item.decided_s)
-            self._take_step()
 
     def release(self, request_id: str) -> None:
         """The request left the server (answered, failed, client gone): drop it from the ledger.
@@ -342,7 +288,7 @@ class AdmissionController:
             return
         self._pending.pop(request_id, None)
         if self._decoding.pop(request_id, None) is None:
-            self._leave_waiting(request_id, item)
+            self._waiting(item, -1)
         self._queued_tokens -= item.prompt_tokens + item.output_tokens
 
     def observe_output(self, out: EngineOutput, now_s: float) -> PredictionSample | None:
@@ -361,7 +307,7 @@ class AdmissionController:
             self.release(rid)
             return sample
         if rid not in self._decoding:  # the first output: its prefill is done
-            self._leave_waiting(rid, item)
+            self._waiting(item, -1)
             self._queued_tokens -= item.prompt_tokens
             item.prompt_tokens = 0
             self._decoding[rid] = item
@@ -398,12 +344,8 @@ class AdmissionController:
         budget, slots = cfg.max_num_batched_tokens, cfg.max_num_seqs
         ahead = self._waiting_interactive if interactive else self._waiting_all
         held = min(len(self._decoding), slots)
-        step = self._step  # the prompts the running step is taking are not ahead any more
-        tokens = ahead.tokens - step.taken_tokens[True] + prompt_tokens
-        prompts = ahead.requests - ahead.generations - step.taken_prompts[True] + 1
-        if not interactive:
-            tokens -= step.taken_tokens[False]
-            prompts -= step.taken_prompts[False]
+        tokens = ahead.tokens + prompt_tokens
+        prompts = ahead.requests - ahead.generations + 1  # that free their slot after prefill
         steps = math.ceil(tokens / (budget - held))
         # slots left once the waiting generations hold theirs
         free = slots - held - ahead.generations
@@ -421,7 +363,10 @@ class AdmissionController:
         )
         t = decode_only * cost.step_s(held, held) + steps * per_step
         if self._items:  # a step is running: ours starts after what is left of it
-            running = cost.step_s(step.seqs, step.tokens)
+            running = cost.step_s(
+                min(slots, held + self._waiting_all.requests),
+                min(budget, held + self._waiting_all.tokens),
+            )
             t += max(running - (now_s - self._step_start_s), 0.0)
         return t
 
