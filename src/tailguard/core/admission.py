@@ -32,7 +32,7 @@ The prediction (a fluid model of the scheduler in core/scheduler.py)
     what each padded shape bucket costs, times a level that follows the live steps. W still
     counts the prompts the running step is taking (the ledger learns they are done only when
     their outputs arrive): a measured alternative that lays the running step out and drops
-    them is on the branch issue-11-running-step (docs/benchmarks.md, session 18).
+    them is commit 222857c, reverted after one run (docs/benchmarks.md, session 18).
     `calibrated` adds the measured error of past predictions of the same size at the target
     quantile (`Calibration`, per kind). The front-end delay is what the HTTP process itself adds
     after the engine answered (its event-loop lag, the time answers took from the engine client
