@@ -6,6 +6,8 @@ All run as single-process servers on this machine in the same run, one after the
 - granian + tailguard App: granian serving tailguard's own `App.handle` (the same app path:
   parsing, validation, tokenization, admission, engine stub, cache, metrics) through a thin RSGI
   adapter, i.e. what we would run if granian replaced our HTTP layer (server/http.py);
+- tailguard HTTP layer, echo: our own HTTP/1.1 layer (server/http*.py) with the echo in place
+  of the App: what the layer itself costs per request, apart from the app path;
 - tailguard (stub engine): `tailguard serve --engine stub`, our own HTTP/1.1 layer.
 The model is replaced by the instant stub, so the figures are the front end's cost. The load
 generator is wrk (Debian package `wrk`), 64 keep-alive connections, POST /v1/infer.
@@ -113,6 +115,37 @@ class Adapter:
 app = Adapter()
 """
 
+# tailguard's own HTTP layer with an echo in place of the App: the layer's own cost per request
+# (parse, limits, Call, a task, one write), apart from the app path.
+TG_ECHO = """
+import asyncio, gc, sys
+import orjson, uvloop
+from tailguard.server.cli import build_app
+from tailguard.server.config import load_config
+from tailguard.server.serving import bind, start_server
+
+
+class EchoApp:
+    def __init__(self, app):
+        self.config, self.metrics = app.config, app.metrics  # limits, connection counters
+
+    def precheck(self, call):
+        return None
+
+    async def handle(self, call):
+        call.respond(200, orjson.dumps({"echo": len(call.body)}))
+
+
+async def main(port):
+    app = build_app(load_config(None, {"engine": "stub", "log_level": "warning"}))
+    await start_server(EchoApp(app), bind("127.0.0.1", port, 1024))
+    await asyncio.Event().wait()
+
+
+gc.set_threshold(50_000, 20, 20)  # as `tailguard serve` does
+uvloop.run(main(int(sys.argv[1])))
+"""
+
 BODY = '{"prompt": "The quick brown fox jumps over the lazy dog", "top_k": 5}'
 
 
@@ -192,6 +225,7 @@ def main() -> int:
         (Path(tmp) / "rawapp.py").write_text(RAW_APP)
         (Path(tmp) / "rawrsgi.py").write_text(RAW_RSGI)
         (Path(tmp) / "tgrsgi.py").write_text(TG_RSGI)
+        (Path(tmp) / "tgecho.py").write_text(TG_ECHO)
         path = os.pathsep.join([tmp, src, os.environ.get("PYTHONPATH", "")])
         env = {"PYTHONPATH": path}
         servers: list[tuple[str, list[str], str]] = []  # name, command, ready path
@@ -234,6 +268,10 @@ def main() -> int:
                     f"http://127.0.0.1:{port}/health",
                 )
             )
+
+        port = free_port()
+        echo = [py, str(Path(tmp) / "tgecho.py"), str(port)]
+        servers.append(("tailguard HTTP layer, echo", echo, f"http://127.0.0.1:{port}/"))
 
         def tailguard(name: str, port: int) -> tuple[str, list[str], str]:
             cmd = [py, "-m", "tailguard.cli", "serve", "--engine", "stub", "--port", str(port)]
@@ -285,6 +323,9 @@ def main() -> int:
     tg = results["tailguard (stub engine)"]["rps"]
     ratio = tg / results["raw uvicorn ASGI echo"]["rps"]
     print(f"tailguard / raw = {ratio:.2f}x (target >= 0.5x): {'PASS' if ratio >= 0.5 else 'MISS'}")
+    layer = results["tailguard HTTP layer, echo"]["rps"]
+    raw = results["raw uvicorn ASGI echo"]["rps"]
+    print(f"tailguard HTTP layer echo / raw uvicorn echo = {layer / raw:.2f}x (the layer alone)")
     if "granian + tailguard App" in results:
         own = tg / results["granian + tailguard App"]["rps"]
         print(f"tailguard / granian + tailguard App = {own:.2f}x (our HTTP layer vs granian's)")
