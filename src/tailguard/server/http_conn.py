@@ -225,6 +225,7 @@ class HttpProtocol(asyncio.Protocol):
         elif self._continue_due:
             self._continue_due = False
             self._write(_CONTINUE)
+            self.deadline = time.monotonic() + self.server.body_timeout_s  # its body from now
         elif not self.reader.phase:
             self.deadline = time.monotonic() + self.server.idle_timeout_s  # idle from now
 
