@@ -145,21 +145,26 @@ async def test_a_refused_pipelined_request_gets_its_own_answer_after_those_befor
 
 
 async def test_100_continue_for_a_pipelined_request_waits_for_the_answers_before_it() -> None:
-    async with http_app(simulated_tokens_per_s=200.0) as (_app, port):
+    """The interim answer goes out after the stream before it (never inside its bytes), and the
+    body timeout starts then: the client sends its body only once it is asked to."""
+    slow = orjson.dumps(
+        {"prompt": "hi", "max_tokens": 20, "stream": True, "ignore_eos": True, "timeout": 30}
+    )  # ~4 s at 5 tokens/s: longer than the body timeout
+    async with http_app(simulated_tokens_per_s=5.0, body_timeout_s=3.0) as (_app, port):
         r, w = await asyncio.open_connection("127.0.0.1", port)
         # (a long deadline: the slow stream must not make admission refuse it)
-        extra = "Expect: 100-continue\r\nX-Request-Timeout-Ms: 10000\r\n"
+        extra = "Expect: 100-continue\r\nX-Request-Timeout-Ms: 20000\r\n"
         head = post("/v1/infer", INFER, extra)[: -len(INFER)]
-        w.write(post("/v1/completions", STREAM) + head)
+        w.write(post("/v1/completions", slow) + head)
         data = b""
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(15):
             while CONTINUE not in data:
                 chunk = await r.read(65536)
                 assert chunk, data
                 data += chunk
-        # the stream's answer whole, then the interim answer: never inside the stream's bytes
         assert data.startswith(b"HTTP/1.1 200 OK\r\n")
         assert data.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n" + CONTINUE)
+        await asyncio.sleep(1.2)  # past the head's body deadline, within the new one
         w.write(INFER)
         (a,), closed = await read_answers(r, 1)
         assert a.status == 200 and a.json()["object"] == "inference" and not closed, a.body
