@@ -15,7 +15,9 @@ from tailguard.core.admission import (
     Decision,
     retry_after_header,
 )
+from tailguard.core.calibration import Calibration
 from tailguard.core.request import EngineOutput, FinishReason, Priority
+from tailguard.core.stats import StepCostTable
 
 INT, BAT = Priority.INTERACTIVE, Priority.BATCH
 A, B = 0.010, 0.0001
@@ -148,9 +150,15 @@ def test_calibration_widens_the_bound_after_late_answers_and_tightens_after_good
         c.observe_output(output(f"slow{i}", finished=True), now_s=t0 + 2 * raw)
     c.refresh(5.0)
     assert c.calibration[True].excess_s(raw) == pytest.approx(raw)
+    assert c.calibration[True].bound(raw) == pytest.approx(2 * raw)
+    # with work in flight a request plans for the calibrated bound (plus the step running)
+    assert decide(c, "busy", tokens=1000, deadline=10.0, now=5.0).predicted_s == pytest.approx(raw)
     d = decide(c, "x", tokens=1000, deadline=10.0, now=5.0)
-    assert d.predicted_s == pytest.approx(2 * raw)
+    two_steps = 2 * A + 2000 * B
+    assert d.predicted_s == pytest.approx(c.calibration[True].bound(two_steps) + raw)
+    assert d.predicted_s > two_steps + raw + raw  # the measured excess is in it
     c.release("x")
+    c.release("busy")
     for i in range(8):  # then predictions were right: the window forgets the slow ones
         t0 = 6.0 + 1.0 * i
         decide(c, f"ok{i}", tokens=1000, deadline=10.0, now=t0)
@@ -313,3 +321,71 @@ def test_beyond_the_held_sequences_the_waiting_generations_run_through_their_out
     steps = 6 + 12 + 1
     running = A + B * (1 + 40)  # the step now running: g0's decode and the 40 waiting prompt tokens
     assert d.predicted_s == pytest.approx(steps * (A + B) + 140 * B + running)
+
+
+def test_with_the_engines_bucket_table_a_step_is_priced_at_its_buckets() -> None:
+    """The engine's warm-up table replaces the line: a 600-token prompt runs the 1024-token
+    forward, and a step is priced at its padded token and sequence buckets."""
+    forward = [(16, 0.015), (32, 0.016), (64, 0.020), (256, 0.038), (1024, 0.088)]
+    head = [(1, 0.0), (2, 0.003), (4, 0.006), (32, 0.015), (64, 0.026)]
+    c = make()
+    c.engine_steps([], StepCostTable(forward=forward, head=head))
+    assert decide(c, "a", tokens=600).predicted_s == pytest.approx(0.088)  # idle: one step
+    # "a" is now the step running (nothing of it elapsed); "b" goes in one step with it:
+    # 640 tokens -> the 1024 bucket, 2 sequences -> head bucket 2
+    d = decide(c, "b", tokens=40, deadline=1.0)
+    assert d.predicted_s == pytest.approx(0.088 + (0.088 + 0.003))
+    # 30 generations decoding: a 40-token prompt beside them is a 70-token, 31-sequence step
+    g = make()
+    g.engine_steps([], StepCostTable(forward=forward, head=head))
+    for i in range(30):
+        assert decide(g, f"g{i}", tokens=10, out=16, single=False, deadline=5.0).admitted
+        g.observe_output(output(f"g{i}"), 0.0)
+    g.step_ended(0.0)
+    d = decide(g, "x", tokens=40, now=0.050)
+    running = 0.016 + 0.015  # 30 decodes: 32 tokens and 32 rows, 50 ms elapsed of its 31 ms
+    assert running < 0.050
+    assert d.predicted_s == pytest.approx(0.038 + 0.015)  # 70 tokens -> 256, 31 seqs -> 32
+
+
+def test_an_idle_ledger_admits_whatever_the_calibration_still_holds() -> None:
+    """A stall's misses stay in the calibration for its window; while nothing admitted is in
+    flight they must not turn work away (refusing protects nobody, and a refused request gives
+    no sample that could correct the figure). Only the request's own compute can refuse it."""
+    c = make(calibration_min_samples=4, calibration_window=8)
+    raw = A + 1000 * B
+    for i in range(4):  # a stall: every answer 300 ms later than predicted
+        decide(c, f"s{i}", tokens=1000, deadline=10.0, now=float(i))
+        c.observe_output(output(f"s{i}", finished=True), now_s=i + raw + 0.3)
+    c.refresh(5.0)
+    assert c.calibration[True].bound(raw) == pytest.approx(raw + 0.3)
+    d = decide(c, "x", tokens=1000, deadline=0.15, now=5.0)
+    assert d.admitted and d.predicted_s == pytest.approx(raw)
+    # busy again: the next one plans for the stall's figure and is refused
+    d = decide(c, "y", tokens=10, deadline=0.15, now=5.0)
+    assert not d.admitted and d.code == "late"
+    # and an idle ledger still refuses what its own compute cannot finish in time
+    c.release("x")
+    d = decide(c, "z", tokens=100_000, deadline=0.15, now=5.0)
+    assert not d.admitted and d.code == "late"
+
+
+def test_misses_of_one_output_batch_count_once() -> None:
+    """Answers read together that are all later than their class plans for were held up by
+    one event: the worst of them is one sample; answers on time count one by one."""
+    cal = Calibration(quantile=0.99, window=512, min_samples=4, prior_ratio=1.0, prior_excess_s=0.0)
+    for i in range(150):  # a class measured at 5 ms of excess
+        cal.observe(0.030, 0.035 - 0.001 * (i % 5), now_s=i * 0.01)
+    cal.refresh(2.0)
+    assert cal.excess_s(0.030) == pytest.approx(0.005)
+    for _ in range(3):  # one stall: three misses in one batch (same read time)
+        cal.observe(0.030, 0.180, now_s=2.0)
+    for _ in range(2):  # on-time answers of one batch all count
+        cal.observe(0.030, 0.031, now_s=2.01)
+    cal.refresh(2.1)
+    assert cal.samples == 150 + 1 + 2
+    assert cal.excess_s(0.030) == pytest.approx(0.005)  # one stall sample is above the q99
+    for _ in range(3):  # the same three misses read apart are three events
+        cal.observe(0.030, 0.180, now_s=2.2 + _ * 0.01)
+    cal.refresh(2.3)
+    assert cal.excess_s(0.030) == pytest.approx(0.150)

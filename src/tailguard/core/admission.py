@@ -55,11 +55,13 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 
 from tailguard.core.calibration import Calibration, StepCostModel
 from tailguard.core.request import EngineOutput, FinishReason, Priority
+from tailguard.core.stats import StepCostTable, StepStats
 
 __all__ = [
     "AdmissionConfig",
@@ -247,6 +249,16 @@ class AdmissionController:
             w.generations += gen
             w.generation_outputs += gen * item.output_tokens
 
+    def engine_steps(self, steps: Iterable[StepStats], costs: StepCostTable | None = None) -> None:
+        """The engine reported these steps (and, from its warm-up, what each bucket costs):
+        follow its step cost, and the start of the step running now."""
+        if costs is not None:
+            self.cost.set_table(costs.forward, costs.head)
+        for step in steps:
+            self.cost.observe(step.num_tokens, step.step_s, step.num_seqs)
+            self.step_ended(step.t_s)
+        self.cost.refit()
+
     def step_ended(self, t_s: float) -> None:
         """The engine reported a step that ended at `t_s` (monotonic): the next one began then."""
         self._step_start_s = max(self._step_start_s, t_s)
@@ -324,17 +336,28 @@ class AdmissionController:
         ahead = self._waiting_interactive if interactive else self._waiting_all
         held = min(len(self._decoding), slots)
         tokens = ahead.tokens + prompt_tokens
+        prompts = ahead.requests - ahead.generations + 1  # that free their slot after prefill
         steps = math.ceil(tokens / (budget - held))
         # slots left once the waiting generations hold theirs
         free = slots - held - ahead.generations
+        decode_only = 0  # steps that only decode, waiting for slots to free
         if free >= 1:
-            steps = max(steps, math.ceil((ahead.requests - ahead.generations + 1) / free))
+            steps = max(steps, math.ceil(prompts / free))
         else:
-            steps = max(steps, self._steps_until_freed(1 - free) + 1)
-        a, b = self.cost.a, self.cost.b
-        t = steps * (a + b * held) + b * tokens
+            decode_only = self._steps_until_freed(1 - free)
+            free = 1
+        cost = self.cost
+        # the prompts spread over `steps` steps, each beside the held sequences' decodes
+        per_step = cost.step_s(
+            held + min(free, math.ceil(prompts / steps)),
+            min(budget, held + math.ceil(tokens / steps)),
+        )
+        t = decode_only * cost.step_s(held, held) + steps * per_step
         if self._items:  # a step is running: ours starts after what is left of it
-            running = a + b * min(budget, held + self._waiting_all.tokens)
+            running = cost.step_s(
+                min(slots, held + self._waiting_all.requests),
+                min(budget, held + self._waiting_all.tokens),
+            )
             t += max(running - (now_s - self._step_start_s), 0.0)
         return t
 
@@ -392,6 +415,11 @@ class AdmissionController:
         interactive = priority == Priority.INTERACTIVE
         engine = self.engine_s(prompt_tokens, interactive=interactive, now_s=now_s)
         predicted = self.calibration[single_pass].bound(engine) + self.frontend_delay_s
+        if not self._items:
+            # Nothing admitted is in flight: the engine starts this one now, and refusing it
+            # protects nobody. Only its own compute can make it late (a calibration still
+            # holding a past stall's misses must not turn an idle server's work away).
+            predicted = min(predicted, engine + self.frontend_delay_s)
         left = deadline_s - now_s
         refusal = self._refusal(
             interactive, prompt_tokens + output_tokens, predicted, left, single_pass
@@ -406,7 +434,7 @@ class AdmissionController:
             return Decision(True, predicted, math.inf, 0.0, "")
         # The engine drops it unstarted past this instant: a single-pass request that starts
         # later than deadline - its own compute could not finish in time anyway.
-        own = self.cost.step_s(prompt_tokens) if single_pass else 0.0
+        own = self.cost.step_s(1, prompt_tokens) if single_pass else 0.0
         return Decision(True, predicted, deadline_s - own, 0.0, "")
 
     def _refusal(

@@ -74,12 +74,14 @@ def attention_mask(
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """oneDNN-packed weights exist for CPU fp32/bf16 matmuls (not fp16, not CUDA)."""
-    return (
-        torch.device(device).type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    """oneDNN-packed weights exist for CPU fp32/bf16 matmuls (not fp16, not CUDA); the bf16
+    reorder also needs a CPU with oneDNN's bf16 support (AVX-512 or AVX-NE-CONVERT: on an
+    AVX2-only CPU it raises), so bf16 weights stay plain there."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 class PackedLinear(nn.Module):
