@@ -13,10 +13,13 @@ Sections (each against a fresh `tailguard.tools.load.testserver` subprocess):
   sweep    the LLM benchmark: `tailguard load --profile sweep` of the real server
            (`tailguard serve`, embedded model) with random 128-token prompts and 32 output
            tokens (ignore_eos), streamed, SLO terms ttft/tpot; then the cross-check: vLLM's own
-           `vllm bench serve` (random dataset, same lengths and rate) against the same server at
-           three of the sweep's rates, next to tailguard load at the same rates (poisson
-           arrivals, both), TTFT and throughput side by side with ratios. The vLLM client runs
-           from the venv in --vllm-venv (default /work/vllm-venv) when it exists.
+           `vllm bench serve` against the same server at three of the sweep's rates (or
+           --xcheck-rates; --xcheck-only skips the sweep), next to tailguard load at the same
+           rates, on the same prompts in the same order (`identical_prompts`), with constant
+           arrivals (the same send times) and/or Poisson (--xcheck-arrivals); TTFT and
+           throughput side by side with ratios, and the server's own mean TTFT in each run.
+           The vLLM client runs from the venv in --vllm-venv (default /work/vllm-venv) when it
+           exists (its custom dataset needs pandas installed there).
 Leave the machine quiet; numbers are printed and written as JSON.
 """
 
