@@ -6,6 +6,8 @@ All run as single-process servers on this machine in the same run, one after the
 - granian + tailguard App: granian serving tailguard's own `App.handle` (the same app path:
   parsing, validation, tokenization, admission, engine stub, cache, metrics) through a thin RSGI
   adapter, i.e. what we would run if granian replaced our HTTP layer (server/http.py);
+- tailguard HTTP layer, echo: our own HTTP/1.1 layer (server/http*.py) with the echo in place
+  of the App: what the layer itself costs per request, apart from the app path;
 - tailguard (stub engine): `tailguard serve --engine stub`, our own HTTP/1.1 layer.
 The model is replaced by the instant stub, so the figures are the front end's cost. The load
 generator is wrk (Debian package `wrk`), 64 keep-alive connections, POST /v1/infer.
@@ -113,6 +115,37 @@ class Adapter:
 app = Adapter()
 """
 
+# tailguard's own HTTP layer with an echo in place of the App: the layer's own cost per request
+# (parse, limits, Call, a task, one write), apart from the app path.
+TG_ECHO = """
+import asyncio, gc, sys
+import orjson, uvloop
+from tailguard.server.cli import build_app
+from tailguard.server.config import load_config
+from tailguard.server.serving import bind, start_server
+
+
+class EchoApp:
+    def __init__(self, app):
+        self.config, self.metrics = app.config, app.metrics  # limits, connection counters
+
+    def precheck(self, call):
+        return None
+
+    async def handle(self, call):
+        call.respond(200, orjson.dumps({"echo": len(call.body)}))
+
+
+async def main(port):
+    app = build_app(load_config(None, {"engine": "stub", "log_level": "warning"}))
+    await start_server(EchoApp(app), bind("127.0.0.1", port, 1024))
+    await asyncio.Event().wait()
+
+
+gc.set_threshold(50_000, 20, 20)  # as `tailguard serve` does
+uvloop.run(main(int(sys.argv[1])))
+"""
+
 BODY = '{"prompt": "The quick brown fox jumps over the lazy dog", "top_k": 5}'
 
 
@@ -166,6 +199,64 @@ def granian_cmd(py: str, target: str, port: int) -> list[str]:
     ]
 
 
+Server = tuple[str, list[str], str]  # name, command, ready URL
+
+
+def _servers(args: argparse.Namespace, tmp: str) -> list[Server]:
+    """Every server of the run, in the order they are measured."""
+    py = sys.executable
+
+    def url(port: int, path: str = "") -> str:
+        return f"http://127.0.0.1:{port}/{path}"
+
+    servers: list[Server] = []
+    port = free_port()
+    uvicorn = [py, "-m", "uvicorn", "rawapp:app", "--port", str(port), "--loop", "uvloop"]
+    uvicorn += ["--http", "httptools", "--no-access-log", "--log-level", "warning"]
+    servers.append(("raw uvicorn ASGI echo", uvicorn, url(port)))
+    if not args.no_granian:
+        port = free_port()
+        servers.append(("raw granian RSGI echo", granian_cmd(py, "rawrsgi:app", port), url(port)))
+        port = free_port()
+        servers.append(
+            ("granian + tailguard App", granian_cmd(py, "tgrsgi:app", port), url(port, "health"))
+        )
+    port = free_port()
+    echo = [py, str(Path(tmp) / "tgecho.py"), str(port)]
+    servers.append(("tailguard HTTP layer, echo", echo, url(port)))
+    names = ["tailguard (stub engine)"] + (["tailguard, --ab-src"] if args.ab_src else [])
+    for name in names:
+        port = free_port()
+        cmd = [py, "-m", "tailguard.cli", "serve", "--engine", "stub", "--port", str(port)]
+        servers.append((name, [*cmd, "--log-level", "warning"], url(port, "ready")))
+    return servers
+
+
+def _report(args: argparse.Namespace, results: dict[str, dict[str, float]]) -> None:
+    print(
+        f"\nfront-end overhead: POST /v1/infer, {args.connections} keep-alive connections, "
+        f"wrk -t1, {args.duration} s, {os.cpu_count()} cores"
+    )
+    print(f"{'server':28} {'req/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
+    for name, r in results.items():
+        print(
+            f"{name:28} {r['rps']:>10.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
+            f"{r['non_2xx']:>8.0f}"
+        )
+    tg = results["tailguard (stub engine)"]["rps"]
+    raw = results["raw uvicorn ASGI echo"]["rps"]
+    ratio = tg / raw
+    print(f"tailguard / raw = {ratio:.2f}x (target >= 0.5x): {'PASS' if ratio >= 0.5 else 'MISS'}")
+    layer = results["tailguard HTTP layer, echo"]["rps"]
+    print(f"tailguard HTTP layer echo / raw uvicorn echo = {layer / raw:.2f}x (the layer alone)")
+    if "granian + tailguard App" in results:
+        own = tg / results["granian + tailguard App"]["rps"]
+        print(f"tailguard / granian + tailguard App = {own:.2f}x (our HTTP layer vs granian's)")
+    if "tailguard, --ab-src" in results:
+        ab = tg / results["tailguard, --ab-src"]["rps"]
+        print(f"tailguard / tailguard from --ab-src = {ab:.2f}x")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=int, default=10)
@@ -181,116 +272,29 @@ def main() -> int:
     if not shutil.which("wrk"):
         print("wrk is missing: apt-get install -y wrk", file=sys.stderr)
         return 2
-    py = sys.executable
     src = str(Path(__file__).resolve().parents[1] / "src")
+    results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         lua = Path(tmp) / "post.lua"
         lua.write_text(
             'wrk.method = "POST"\nwrk.body = \'' + BODY + "'\n"
             'wrk.headers["Content-Type"] = "application/json"\n'
         )
-        (Path(tmp) / "rawapp.py").write_text(RAW_APP)
-        (Path(tmp) / "rawrsgi.py").write_text(RAW_RSGI)
-        (Path(tmp) / "tgrsgi.py").write_text(TG_RSGI)
+        for name, code in (("rawapp", RAW_APP), ("rawrsgi", RAW_RSGI), ("tgrsgi", TG_RSGI)):
+            (Path(tmp) / f"{name}.py").write_text(code)
+        (Path(tmp) / "tgecho.py").write_text(TG_ECHO)
         path = os.pathsep.join([tmp, src, os.environ.get("PYTHONPATH", "")])
-        env = {"PYTHONPATH": path}
-        servers: list[tuple[str, list[str], str]] = []  # name, command, ready path
-        port = free_port()
-        servers.append(
-            (
-                "raw uvicorn ASGI echo",
-                [
-                    py,
-                    "-m",
-                    "uvicorn",
-                    "rawapp:app",
-                    "--port",
-                    str(port),
-                    "--loop",
-                    "uvloop",
-                    "--http",
-                    "httptools",
-                    "--no-access-log",
-                    "--log-level",
-                    "warning",
-                ],
-                f"http://127.0.0.1:{port}/",
-            )
-        )
-        if not args.no_granian:
-            port = free_port()
-            servers.append(
-                (
-                    "raw granian RSGI echo",
-                    granian_cmd(py, "rawrsgi:app", port),
-                    f"http://127.0.0.1:{port}/",
-                )
-            )
-            port = free_port()
-            servers.append(
-                (
-                    "granian + tailguard App",
-                    granian_cmd(py, "tgrsgi:app", port),
-                    f"http://127.0.0.1:{port}/health",
-                )
-            )
-
-        def tailguard(name: str, port: int) -> tuple[str, list[str], str]:
-            cmd = [py, "-m", "tailguard.cli", "serve", "--engine", "stub", "--port", str(port)]
-            return name, [*cmd, "--log-level", "warning"], f"http://127.0.0.1:{port}/ready"
-
-        port = free_port()
-        servers.append(
-            (
-                "tailguard (stub engine)",
-                [
-                    py,
-                    "-m",
-                    "tailguard.cli",
-                    "serve",
-                    "--engine",
-                    "stub",
-                    "--port",
-                    str(port),
-                    "--log-level",
-                    "warning",
-                ],
-                f"http://127.0.0.1:{port}/ready",
-            )
-        )
-        if args.ab_src:
-            servers.append(tailguard("tailguard, --ab-src", free_port()))
-        results: dict[str, dict[str, float]] = {}
-        for i, (name, cmd, ready) in enumerate(servers):
+        for i, (name, cmd, ready) in enumerate(_servers(args, tmp)):
             if i:
                 time.sleep(2)
             base = ready.rsplit("/", 1)[0]
-            log = Path(tmp) / f"server{i}.log"
-            srv_env = env
+            env = {"PYTHONPATH": path}
             if name == "tailguard, --ab-src":
-                srv_env = {"PYTHONPATH": os.pathsep.join([str(Path(args.ab_src).resolve()), path])}
-            with serving(name, cmd, log, ready, env=srv_env):
+                env = {"PYTHONPATH": os.pathsep.join([str(Path(args.ab_src).resolve()), path])}
+            with serving(name, cmd, Path(tmp) / f"server{i}.log", ready, env=env):
                 wrk(f"{base}/v1/infer", 2, args.connections, lua)  # warm-up
                 results[name] = wrk(f"{base}/v1/infer", args.duration, args.connections, lua)
-    print(
-        f"\nfront-end overhead: POST /v1/infer, {args.connections} keep-alive connections, "
-        f"wrk -t1, {args.duration} s, {os.cpu_count()} cores"
-    )
-    print(f"{'server':28} {'req/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
-    for name, r in results.items():
-        print(
-            f"{name:28} {r['rps']:>10.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
-            f"{r['non_2xx']:>8.0f}"
-        )
-    tg = results["tailguard (stub engine)"]["rps"]
-    ratio = tg / results["raw uvicorn ASGI echo"]["rps"]
-    print(f"tailguard / raw = {ratio:.2f}x (target >= 0.5x): {'PASS' if ratio >= 0.5 else 'MISS'}")
-    if "granian + tailguard App" in results:
-        own = tg / results["granian + tailguard App"]["rps"]
-        print(f"tailguard / granian + tailguard App = {own:.2f}x (our HTTP layer vs granian's)")
-    if "tailguard, --ab-src" in results:
-        ab = tg / results["tailguard, --ab-src"]["rps"]
-        print(f"tailguard / tailguard from --ab-src = {ab:.2f}x")
+    _report(args, results)
     return 0
 
 

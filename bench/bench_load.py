@@ -13,10 +13,13 @@ Sections (each against a fresh `tailguard.tools.load.testserver` subprocess):
   sweep    the LLM benchmark: `tailguard load --profile sweep` of the real server
            (`tailguard serve`, embedded model) with random 128-token prompts and 32 output
            tokens (ignore_eos), streamed, SLO terms ttft/tpot; then the cross-check: vLLM's own
-           `vllm bench serve` (random dataset, same lengths and rate) against the same server at
-           three of the sweep's rates, next to tailguard load at the same rates (poisson
-           arrivals, both), TTFT and throughput side by side with ratios. The vLLM client runs
-           from the venv in --vllm-venv (default /work/vllm-venv) when it exists.
+           `vllm bench serve` against the same server at three of the sweep's rates (or
+           --xcheck-rates; --xcheck-only skips the sweep), next to tailguard load at the same
+           rates, on the same prompts in the same order (`identical_prompts`), with constant
+           arrivals (the same send times) and/or Poisson (--xcheck-arrivals); TTFT and
+           throughput side by side with ratios, and the server's own mean TTFT in each run.
+           The vLLM client runs from the venv in --vllm-venv (default /work/vllm-venv) when it
+           exists (its custom dataset needs pandas installed there).
 Leave the machine quiet; numbers are printed and written as JSON.
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import re
 import shutil
 import subprocess
@@ -39,6 +43,7 @@ from tailguard.tools.load.analysis import LoadResult
 from tailguard.tools.load.config import LoadConfig, Profile, SourceSpec, parse_sla
 from tailguard.tools.load.runner import raise_nofile_limit, run_load
 from tailguard.tools.load.schedule import intended_times
+from tailguard.tools.load.sources import BYTE_IDS
 
 try:
     import uvloop
@@ -268,18 +273,25 @@ def _tokenizer_dir() -> str:
     return str(default_model_dir())
 
 
-def _vllm_bench(venv: Path, url: str, rate: float, n: int, out: Path, seed: int) -> dict[str, Any]:
+def _vllm_bench(
+    venv: Path, url: str, rate: float, prompts: Path, out: Path, seed: int, arrivals: str
+) -> dict[str, Any]:
+    """`vllm bench serve` on the prompts in `prompts` (a custom dataset, in file order), with
+    Poisson arrivals or, for `constant`, evenly spaced ones (`--burstiness inf`)."""
     py = venv / "bin" / "python"
     if not py.exists():
         return {"skipped": f"no vLLM venv at {venv}"}
+    n = sum(1 for _ in prompts.open())
     script = out.parent / "vllm_bench_serve.py"
     script.write_text(_VLLM_BENCH)
     cmd = [str(py), str(script), "--backend", "openai", "--base-url", url]
     cmd += ["--endpoint", "/v1/completions", "--model", "tailguard-embedded"]
     cmd += ["--tokenizer", _tokenizer_dir(), "--tokenizer-mode", "mistral"]
-    cmd += ["--dataset-name", "random", "--random-input-len", str(LLM_IN)]
-    cmd += ["--random-output-len", str(LLM_OUT), "--random-range-ratio", "0", "--ignore-eos"]
+    cmd += ["--dataset-name", "custom", "--dataset-path", str(prompts), "--disable-shuffle"]
+    cmd += ["--skip-chat-template", "--custom-output-len", str(LLM_OUT), "--ignore-eos"]
     cmd += ["--num-prompts", str(n), "--request-rate", f"{rate:g}", "--seed", str(seed)]
+    if arrivals == "constant":
+        cmd += ["--burstiness", "inf"]
     cmd += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     cmd += ["--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -290,6 +302,31 @@ def _vllm_bench(venv: Path, url: str, rate: float, n: int, out: Path, seed: int)
     keys += ["mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms"]
     keys += ["median_itl_ms", "total_input_tokens", "total_output_tokens"]
     return {k: d.get(k) for k in keys}
+
+
+def identical_prompts(n: int, seed: int, out_dir: Path) -> tuple[Path, Path]:
+    """The same n prompts for both tools: texts of exactly LLM_IN tokens by the server's own
+    tokenizer (BOS included), from random token ids decoded and kept only when the text
+    encodes back to that length, so the server runs the same token ids whoever sends them.
+    Returns (tailguard load --dataset bodies, vLLM custom dataset), in the same order."""
+    from tailguard.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(Path(_tokenizer_dir()))
+    rng = random.Random(seed)
+    texts: list[str] = []
+    while len(texts) < n:
+        ids = [rng.randrange(BYTE_IDS[1], tok.vocab_size) for _ in range(LLM_IN - 1)]
+        text = tok.decode(ids)
+        if len(tok.encode(text)) == LLM_IN:
+            texts.append(text)
+    ours, theirs = (
+        out_dir / f"prompts_{seed}_tailguard.jsonl",
+        out_dir / f"prompts_{seed}_vllm.jsonl",
+    )
+    body = {"model": "tailguard-embedded", "max_tokens": LLM_OUT, "ignore_eos": True}
+    ours.write_text("".join(json.dumps({**body, "prompt": t}) + "\n" for t in texts))
+    theirs.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return ours, theirs
 
 
 def _llm_summary(res: LoadResult) -> dict[str, Any]:
@@ -319,58 +356,117 @@ def _arrivals(rate: float, n: int, seed: int) -> int:
     return len(list(intended_times(Profile("poisson", rate=rate, duration_s=n / rate, seed=seed))))
 
 
-def bench_sweep(seconds: float, steps: int, out_dir: Path, venv: Path) -> dict[str, Any]:
-    """The real server swept by tailguard load, then cross-checked against vllm bench serve."""
-    out: dict[str, Any] = {}
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _sweep(srv: RealServer, seconds: float, steps: int, out_dir: Path) -> dict[str, Any]:
+    """`tailguard load --profile sweep` of the real server; its report under out_dir/sweep."""
     common = ["--endpoint", "completions", "--stream", "--random-input-len", str(LLM_IN)]
     common += ["--random-output-len", str(LLM_OUT), "--timeout", "60s"]
+    cmd = [sys.executable, "-m", "tailguard.cli", "load", srv.url, *common]
+    cmd += ["--profile", "sweep", "--duration", f"{seconds:g}s", "--steps", str(steps)]
+    cmd += [x for t in LLM_SLA for x in ("--sla", t)] + ["--slo-attainment", "90%"]
+    cmd += ["--report", str(out_dir / "sweep"), "--quiet"]
+    t0 = time.monotonic()
+    code = subprocess.run(cmd, timeout=3600).returncode
+    sweep = json.loads((out_dir / "sweep" / "result.json").read_text())
+    out = {
+        "command": " ".join(["tailguard", *cmd[3:]]).replace(srv.url, "URL"),
+        "exit_code": code,
+        "seconds": round(time.monotonic() - t0, 1),
+        "verdict": sweep["verdict"],
+        "knee": sweep["knee"],
+        "probes": sweep["probes"],
+        "points": sweep["points"],
+    }
+    print(json.dumps({"sweep": out}, indent=1), flush=True)
+    return out
+
+
+def _cross_check_one(
+    srv: RealServer, venv: Path, rate: float, n: int, k: int, arrivals: str, out_dir: Path
+) -> dict[str, Any]:
+    """Both tools at `rate` with the same n prompts in the same order (`identical_prompts`).
+    `constant`: both send evenly spaced, so the schedules are the same too; `poisson`: each
+    draws its own n arrivals at `rate` (ours: the first seed giving exactly n)."""
+    ours_file, theirs_file = identical_prompts(n, k, out_dir)
+    if arrivals == "constant":
+        prof = Profile("constant", rate=rate, duration_s=n / rate)
+    else:
+        seed = next(s for s in range(100_000) if _arrivals(rate, n, s) == n)
+        prof = Profile("poisson", rate=rate, duration_s=n / rate, seed=seed)
+    cfg = LoadConfig(srv.url, prof, endpoint="completions", stream=True,
+                     source=SourceSpec(dataset=str(ours_file)), timeout_s=60)  # fmt: skip
+    before = _server_ttft(srv.url)
+    ours = _llm_summary(_run(cfg))
+    ours["server_mean_ttft_ms"] = _server_ttft(srv.url, before)
+    time.sleep(2)
+    out = out_dir / f"vllm_{arrivals}_{rate:g}.json"
+    before = _server_ttft(srv.url)
+    theirs = _vllm_bench(venv, srv.url, rate, theirs_file, out, k, arrivals)
+    theirs["server_mean_ttft_ms"] = _server_ttft(srv.url, before)
+    ratios = {}
+    for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
+                "p99_ttft_ms", "median_tpot_ms", "total_input_tokens",
+                "server_mean_ttft_ms"):  # fmt: skip
+        a, b = ours.get(key), theirs.get(key)
+        if isinstance(a, int | float) and isinstance(b, int | float) and b:
+            ratios[key] = round(a / b, 3)
+    check = {"rate": rate, "requests": n, "arrivals": arrivals, "tailguard_load": ours}
+    check |= {"vllm_bench_serve": theirs, "ratio_tailguard_to_vllm": ratios}
+    print(json.dumps({"cross_check": check}, indent=1), flush=True)
+    time.sleep(2)
+    return check
+
+
+_TTFT_SUM = re.compile(
+    r'^tailguard_time_to_first_token_seconds_(sum|count)\{endpoint="completions"\} (\S+)$', re.M
+)
+
+
+def _server_ttft(url: str, before: Any = None) -> Any:
+    """The server's own first-token histogram for completions (sum, count); with `before`, the
+    mean in ms of what was observed since (read -> first token, inside the server)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        found = dict(_TTFT_SUM.findall(r.read().decode()))
+    now = (float(found.get("sum", 0.0)), float(found.get("count", 0.0)))
+    if before is None:
+        return now
+    n = now[1] - before[1]
+    return round((now[0] - before[0]) / n * 1e3, 2) if n else None
+
+
+def _max_rate(srv: RealServer) -> float:
+    """Requests/s the server completes with 32 streams at once (a closed-loop probe, as the
+    sweep's max probe), for cross-check rates without a sweep."""
+    spec = SourceSpec(input_len=(LLM_IN, LLM_IN), output_len=(LLM_OUT, LLM_OUT), seed=99)
+    cfg = LoadConfig(srv.url, Profile("closed", concurrency=32, requests=320),
+                     endpoint="completions", stream=True, source=spec, timeout_s=60,
+                     reject_backoff_s=0.25)  # fmt: skip
+    return float(_llm_summary(_run(cfg))["request_throughput"])
+
+
+def bench_sweep(
+    seconds: float, steps: int, out_dir: Path, venv: Path, xcheck: dict[str, Any]
+) -> dict[str, Any]:
+    """The real server swept by tailguard load (unless `xcheck["only"]`), then cross-checked
+    against vllm bench serve at three rates: the sweep's lowest, knee and highest, or
+    `xcheck["rates"]`, or 0.4x / 0.8x / 1.2x a closed-loop max probe."""
+    out: dict[str, Any] = {}
+    out_dir.mkdir(parents=True, exist_ok=True)
     with RealServer(out_dir / "server.log") as srv:
-        cmd = [sys.executable, "-m", "tailguard.cli", "load", srv.url, *common]
-        cmd += ["--profile", "sweep", "--duration", f"{seconds:g}s", "--steps", str(steps)]
-        cmd += [x for t in LLM_SLA for x in ("--sla", t)] + ["--slo-attainment", "90%"]
-        cmd += ["--report", str(out_dir / "sweep"), "--quiet"]
-        t0 = time.monotonic()
-        code = subprocess.run(cmd, timeout=3600).returncode
-        sweep = json.loads((out_dir / "sweep" / "result.json").read_text())
-        out["sweep"] = {
-            "command": " ".join(["tailguard", *cmd[3:]]).replace(srv.url, "URL"),
-            "exit_code": code,
-            "seconds": round(time.monotonic() - t0, 1),
-            "verdict": sweep["verdict"],
-            "knee": sweep["knee"],
-            "probes": sweep["probes"],
-            "points": sweep["points"],
-        }
-        print(json.dumps({"sweep": out["sweep"]}, indent=1), flush=True)
-        # Cross-check at three rates: the lowest step, the knee (or the middle), the highest.
-        pts = sweep["points"]
-        knee = sweep["knee"] or pts[len(pts) // 2]
-        rates = sorted({round(pts[0]["offered_rps"], 2), round(knee["offered_rps"], 2),
-                        round(pts[-1]["offered_rps"], 2)})  # fmt: skip
+        rates: list[float] = xcheck["rates"]
+        if not xcheck["only"]:
+            out["sweep"] = _sweep(srv, seconds, steps, out_dir)
+            pts = out["sweep"]["points"]
+            knee = out["sweep"]["knee"] or pts[len(pts) // 2]
+            rates = rates or [pts[0]["offered_rps"], knee["offered_rps"], pts[-1]["offered_rps"]]
+        if not rates:
+            out["max_probe_rps"] = top = _max_rate(srv)
+            rates = [0.4 * top, 0.8 * top, 1.2 * top]
+            time.sleep(2)
         checks = []
-        for k, rate in enumerate(rates):
+        for k, rate in enumerate(sorted({round(r, 2) for r in rates})):
             n = max(40, round(rate * 2 * seconds))
-            # both tools send n requests with Poisson arrivals at `rate`: pick the first seed
-            # whose schedule has exactly n arrivals, so the realised rates match too
-            seed = next(s for s in range(100_000) if _arrivals(rate, n, s) == n)
-            prof = Profile("poisson", rate=rate, duration_s=n / rate, seed=seed)
-            spec = SourceSpec(input_len=(LLM_IN, LLM_IN), output_len=(LLM_OUT, LLM_OUT), seed=k)
-            cfg = LoadConfig(srv.url, prof, endpoint="completions", stream=True, source=spec,
-                             timeout_s=60)  # fmt: skip
-            ours = _llm_summary(_run(cfg))
-            time.sleep(2)
-            theirs = _vllm_bench(venv, srv.url, rate, n, out_dir / f"vllm_{rate:g}.json", k)
-            ratios = {}
-            for key in ("request_throughput", "output_throughput", "mean_ttft_ms",
-                        "median_ttft_ms", "median_tpot_ms"):  # fmt: skip
-                a, b = ours.get(key), theirs.get(key)
-                if isinstance(a, int | float) and isinstance(b, int | float) and b:
-                    ratios[key] = round(a / b, 3)
-            check = {"rate": rate, "requests": n, "tailguard_load": ours}
-            checks.append({**check, "vllm_bench_serve": theirs, "ratio_tailguard_to_vllm": ratios})
-            print(json.dumps({"cross_check": checks[-1]}, indent=1), flush=True)
-            time.sleep(2)
+            for arrivals in xcheck["arrivals"]:
+                checks.append(_cross_check_one(srv, venv, rate, n, k, arrivals, out_dir))
         out["cross_check"] = checks
     return out
 
@@ -383,6 +479,9 @@ def main() -> int:
     ap.add_argument("--only", choices=sections, action="append")
     ap.add_argument("--vllm-venv", type=Path, default=Path("/work/vllm-venv"))
     ap.add_argument("--out", type=Path, default=Path("out/bench_load"), help="sweep reports")
+    ap.add_argument("--xcheck-only", action="store_true", help="sweep: skip the sweep itself")
+    ap.add_argument("--xcheck-rates", default="", help="sweep: cross-check rates, e.g. 4,8,12")
+    ap.add_argument("--xcheck-arrivals", default="constant,poisson", help="constant,poisson")
     a = ap.parse_args()
     only = set(a.only or sections)
     nofile = raise_nofile_limit()
@@ -406,7 +505,14 @@ def main() -> int:
         print(json.dumps({"ceiling": results["ceiling"]}, indent=1), flush=True)
     if "sweep" in only:
         time.sleep(0 if q else 10)
-        results["sweep"] = bench_sweep(5.0 if q else 10.0, 4 if q else 6, a.out, a.vllm_venv)
+        xcheck = {
+            "only": a.xcheck_only,
+            "rates": [float(r) for r in a.xcheck_rates.split(",") if r],
+            "arrivals": a.xcheck_arrivals.split(","),
+        }
+        results["sweep"] = bench_sweep(
+            5.0 if q else 10.0, 4 if q else 6, a.out, a.vllm_venv, xcheck
+        )
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {a.json}")

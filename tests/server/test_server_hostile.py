@@ -72,6 +72,15 @@ def request(method: str, path: str, body: bytes = b"", extra: str = "") -> bytes
     return f"{method} {path} HTTP/1.1\r\nHost: t\r\n{length}{extra}\r\n".encode() + body
 
 
+def _chunked(body: bytes, trailers: bytes) -> bytes:
+    return (
+        b"POST /v1/infer HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n0\r\n" % (len(body), body)
+        + trailers
+        + b"\r\n"
+    )
+
+
 async def still_serving(s: Served, **headers: str) -> None:
     """A fresh connection still gets /health and a real /v1/infer."""
     extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
@@ -213,6 +222,55 @@ async def test_request_head_over_the_limits_is_431(head: bytes) -> None:
         await still_serving(s)
 
 
+_BIG_PARTIAL_HEAD = b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"b" * 65_536  # never ended
+
+
+@pytest.mark.parametrize(
+    ("before", "answered"),
+    [
+        (b"", []),
+        (GET_HEALTH, [200]),
+        # a body holding empty lines, then the huge head: the count must still reach the cap
+        (request("POST", "/v1/infer", b'{"prompt": "x",\r\n\r\n"top_k": 2}\n\n'), [200]),
+        (_chunked(INFER, b"X-T: 1\r\n"), [200]),
+    ],
+    ids=["alone", "after-a-get", "after-a-body-with-empty-lines", "after-a-chunked-body"],
+)
+async def test_a_huge_head_in_one_write_then_silence_is_431_at_once(
+    before: bytes, answered: list[int]
+) -> None:
+    """The head's bytes count from its first byte, whatever the read boundaries: 64 KiB of head
+    in one write (after other requests in the same write), then nothing, is 431 at once, not
+    408 at the header timeout."""
+    async with served(header_timeout_s=30.0) as s:
+        r, w = await s.connect()
+        t0 = time.monotonic()
+        w.write(before + _BIG_PARTIAL_HEAD)  # one write, then silence
+        answers, _ = await read_answers(r, len(answered) + 1)
+        assert [a.status for a in answers] == [*answered, 431]
+        assert time.monotonic() - t0 < 3.0  # not the 30 s header timeout
+        assert "max_header_bytes" in answers[-1].json()["error"]["message"]
+        assert await closes(r)  # the answer, then FIN (a lingering close)
+        w.close()
+        await wait_for(lambda: not s.http.connections, 3)  # nothing of it is held
+        await still_serving(s)
+
+
+async def test_a_head_within_the_limit_is_read_whatever_the_read_boundaries() -> None:
+    """No false 431: a head just under max_header_bytes, after another request in the same
+    write and cut in two writes in the middle of its big header, is answered."""
+    async with served() as s:
+        r, w = await s.connect()
+        head = b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: "
+        value = b"b" * (32_768 - len(head) - 200)
+        w.write(GET_HEALTH + head + value[:20_000])
+        await asyncio.sleep(0.3)  # read apart from the rest
+        w.write(value[20_000:] + b"\r\n\r\n")
+        answers, closed = await read_answers(r, 2)
+        assert [a.status for a in answers] == [200, 200] and not closed
+        w.close()
+
+
 async def test_unfinished_huge_headers_on_8_connections_keep_rss_bounded() -> None:
     async with served() as s:
         junk = b"a" * (4 * 2**20)
@@ -237,15 +295,6 @@ async def test_unfinished_huge_headers_on_8_connections_keep_rss_bounded() -> No
 
 
 # ---- 4. chunked trailers ----------------------------------------------------------------------
-
-
-def _chunked(body: bytes, trailers: bytes) -> bytes:
-    return (
-        b"POST /v1/infer HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
-        + b"%x\r\n%s\r\n0\r\n" % (len(body), body)
-        + trailers
-        + b"\r\n"
-    )
 
 
 async def test_an_authorization_trailer_does_not_authenticate() -> None:

@@ -108,6 +108,69 @@ async def test_pipelined_requests_are_answered_in_order_on_one_connection() -> N
         w.close()
 
 
+GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+STREAM = orjson.dumps({"prompt": "hi", "max_tokens": 8, "stream": True})
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("refused", "status"),
+    [
+        (b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"b" * 40_000 + b"\r\n\r\n", 431),
+        (b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: t\r\n\r\n", 414),
+        (b"THIS IS NOT HTTP\r\n\r\n", 400),
+        (b"GET /health HTTP/2.0\r\nHost: t\r\n\r\n", 505),
+        (b"POST /v1/infer HTTP/1.1\r\nHost: t\r\nContent-Length: 100000\r\n\r\n", 413),
+    ],
+    ids=["431", "414", "400", "505", "413"],
+)
+async def test_a_refused_pipelined_request_gets_its_own_answer_after_those_before_it(
+    refused: bytes, status: int
+) -> None:
+    """A stream is being answered and a request waits behind it when a refused one is read:
+    all three are answered, in order, then the connection closes."""
+    async with http_app(max_body_bytes=4096, simulated_tokens_per_s=200.0) as (_app, port):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(post("/v1/completions", STREAM) + GET_HEALTH + refused)
+        answers, _ = await read_answers(r, 3)
+        assert [a.status for a in answers] == [200, 200, status]
+        assert (
+            answers[0].body.endswith(b"data: [DONE]\n\n") and "connection" not in answers[0].headers
+        )
+        assert answers[1].json() == {"status": "ok"}
+        assert answers[2].headers["connection"] == "close" and "error" in answers[2].json()
+        async with asyncio.timeout(3):
+            assert await r.read() == b""  # then the server ends the connection
+        w.close()
+
+
+async def test_100_continue_for_a_pipelined_request_waits_for_the_answers_before_it() -> None:
+    """The interim answer goes out after the stream before it (never inside its bytes), and the
+    body timeout starts then: the client sends its body only once it is asked to."""
+    slow = orjson.dumps(
+        {"prompt": "hi", "max_tokens": 20, "stream": True, "ignore_eos": True, "timeout": 30}
+    )  # ~4 s at 5 tokens/s: longer than the body timeout
+    async with http_app(simulated_tokens_per_s=5.0, body_timeout_s=3.0) as (_app, port):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        # (a long deadline: the slow stream must not make admission refuse it)
+        extra = "Expect: 100-continue\r\nX-Request-Timeout-Ms: 20000\r\n"
+        head = post("/v1/infer", INFER, extra)[: -len(INFER)]
+        w.write(post("/v1/completions", slow) + head)
+        data = b""
+        async with asyncio.timeout(15):
+            while CONTINUE not in data:
+                chunk = await r.read(65536)
+                assert chunk, data
+                data += chunk
+        assert data.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert data.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n" + CONTINUE)
+        await asyncio.sleep(1.2)  # past the head's body deadline, within the new one
+        w.write(INFER)
+        (a,), closed = await read_answers(r, 1)
+        assert a.status == 200 and a.json()["object"] == "inference" and not closed, a.body
+        w.close()
+
+
 async def test_chunked_request_body_is_read_whole() -> None:
     async with http_app() as (_app, port):
         r, w = await asyncio.open_connection("127.0.0.1", port)
