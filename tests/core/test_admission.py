@@ -17,7 +17,6 @@ from tailguard.core.admission import (
 )
 from tailguard.core.calibration import Calibration
 from tailguard.core.request import EngineOutput, FinishReason, Priority
-from tailguard.core.stats import StepCostTable
 
 INT, BAT = Priority.INTERACTIVE, Priority.BATCH
 A, B = 0.010, 0.0001
@@ -321,31 +320,6 @@ def test_beyond_the_held_sequences_the_waiting_generations_run_through_their_out
     steps = 6 + 12 + 1
     running = A + B * (1 + 40)  # the step now running: g0's decode and the 40 waiting prompt tokens
     assert d.predicted_s == pytest.approx(steps * (A + B) + 140 * B + running)
-
-
-def test_with_the_engines_bucket_table_a_step_is_priced_at_its_buckets() -> None:
-    """The engine's warm-up table replaces the line: a 600-token prompt runs the 1024-token
-    forward, and a step is priced at its padded token and sequence buckets."""
-    forward = [(16, 0.015), (32, 0.016), (64, 0.020), (256, 0.038), (1024, 0.088)]
-    head = [(1, 0.0), (2, 0.003), (4, 0.006), (32, 0.015), (64, 0.026)]
-    c = make()
-    c.engine_steps([], StepCostTable(forward=forward, head=head))
-    assert decide(c, "a", tokens=600).predicted_s == pytest.approx(0.088)  # idle: one step
-    # "a" is now the step running (nothing of it elapsed); "b" goes in one step with it:
-    # 640 tokens -> the 1024 bucket, 2 sequences -> head bucket 2
-    d = decide(c, "b", tokens=40, deadline=1.0)
-    assert d.predicted_s == pytest.approx(0.088 + (0.088 + 0.003))
-    # 30 generations decoding: a 40-token prompt beside them is a 70-token, 31-sequence step
-    g = make()
-    g.engine_steps([], StepCostTable(forward=forward, head=head))
-    for i in range(30):
-        assert decide(g, f"g{i}", tokens=10, out=16, single=False, deadline=5.0).admitted
-        g.observe_output(output(f"g{i}"), 0.0)
-    g.step_ended(0.0)
-    d = decide(g, "x", tokens=40, now=0.050)
-    running = 0.016 + 0.015  # 30 decodes: 32 tokens and 32 rows, 50 ms elapsed of its 31 ms
-    assert running < 0.050
-    assert d.predicted_s == pytest.approx(0.038 + 0.015)  # 70 tokens -> 256, 31 seqs -> 32
 
 
 def test_an_idle_ledger_admits_whatever_the_calibration_still_holds() -> None:

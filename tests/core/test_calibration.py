@@ -85,8 +85,8 @@ def test_cost_model_fits_its_shape_from_the_warm_up_then_follows_the_level() -> 
     for _ in range(100):  # another process takes half the CPU: every step twice as long
         m.observe(200, 2 * (0.005 + 0.00002 * 200))
     m.refit()
-    assert m.step_s(1, 200) == pytest.approx(2 * 0.009, rel=1e-3)
-    assert m.step_s(1, 1024) == pytest.approx(2 * (0.005 + 0.00002 * 1024), rel=1e-3)
+    assert m.step_s(200) == pytest.approx(2 * 0.009, rel=1e-3)
+    assert m.step_s(1024) == pytest.approx(2 * (0.005 + 0.00002 * 1024), rel=1e-3)
 
 
 def test_one_size_only_keeps_the_prior_shape_until_sizes_differ() -> None:
@@ -97,7 +97,7 @@ def test_one_size_only_keeps_the_prior_shape_until_sizes_differ() -> None:
     assert (m.a, m.b) == (0.004, 0.0002)  # not fitted: one size cannot split the cost
     m.observe(300, 0.088)
     m.refit()
-    assert m.step_s(1, 100) == pytest.approx(0.048) and m.step_s(1, 300) == pytest.approx(0.088)
+    assert m.step_s(100) == pytest.approx(0.048) and m.step_s(300) == pytest.approx(0.088)
 
 
 def test_a_long_run_of_decode_steps_does_not_tilt_the_fit() -> None:
@@ -107,7 +107,7 @@ def test_a_long_run_of_decode_steps_does_not_tilt_the_fit() -> None:
     m.refit()
     for _ in range(5000):  # then a long generation: one-token steps, 20% slower than the fit
         m.observe(1, 1.2 * (0.002 + 5e-5))
-    assert m.step_s(1, 200) == pytest.approx(1.2 * (0.002 + 200 * 5e-5), rel=1e-3)
+    assert m.step_s(200) == pytest.approx(1.2 * (0.002 + 200 * 5e-5), rel=1e-3)
 
 
 def test_recent_max_keeps_the_worst_sample_for_one_to_two_windows() -> None:
@@ -121,39 +121,3 @@ def test_recent_max_keeps_the_worst_sample_for_one_to_two_windows() -> None:
     assert m.value(2.4) == 0.05
     assert m.value(3.2) == 0.01  # 0.05's window is two windows old: forgotten
     assert m.value(10.0) == 0.0  # nothing for two windows
-
-
-# Buckets as the engine's warm-up measures them (seconds): a forward per token bucket, the
-# head beyond one row per sequence bucket. Deliberately far from a straight line.
-FORWARD = [(16, 0.015), (32, 0.016), (64, 0.020), (128, 0.028), (256, 0.038), (1024, 0.088)]
-HEAD = [(1, 0.0), (2, 0.003), (4, 0.006), (8, 0.006), (16, 0.009), (32, 0.015), (64, 0.026)]
-
-
-def test_a_bucket_table_prices_a_step_by_its_padded_buckets() -> None:
-    m = StepCostModel(0.001, 0.001)
-    m.set_table(FORWARD, HEAD)
-    assert m.tabled
-    # 33 decodes pad to 64 tokens and 64 head rows: the price of 64, not of 33
-    assert m.step_s(33, 33) == pytest.approx(0.020 + 0.026)
-    assert m.step_s(32, 32) == pytest.approx(0.016 + 0.015)
-    # 600 prompt tokens in one sequence run the 1024-token forward
-    assert m.step_s(1, 600) == pytest.approx(0.088)
-    # past the largest bucket the engine would split the step: scaled from the largest
-    assert m.step_s(1, 2048) == pytest.approx(0.176)
-    m.set_table([(16, 1.0)], [])  # the first table stays
-    assert m.step_s(1, 1) == pytest.approx(0.015)
-    noisy = StepCostModel(0.001, 0.001)  # a larger bucket that timed faster costs the smaller's
-    noisy.set_table([(16, 0.010), (32, 0.009), (64, 0.012)], [(1, 0.0), (4, 0.004), (8, 0.003)])
-    assert noisy.step_s(1, 32) == pytest.approx(0.010)
-    assert noisy.step_s(8, 16) == pytest.approx(0.014)
-
-
-def test_the_table_level_follows_the_live_steps() -> None:
-    m = StepCostModel(0.001, 0.001)
-    m.set_table(FORWARD, HEAD)
-    for _ in range(200):  # another process takes half the CPU: every step twice as long
-        m.observe(40, 2 * (0.020 + 0.015), num_seqs=20)
-    assert m.level == pytest.approx(2.0, rel=1e-3)
-    assert m.step_s(1, 600) == pytest.approx(2 * 0.088, rel=1e-3)
-    assert m.a == pytest.approx(2 * 0.015, rel=1e-3)  # the smallest step
-    assert m.b == pytest.approx(2 * (0.088 - 0.015) / 1023, rel=1e-3)

@@ -20,23 +20,16 @@ The prediction (a fluid model of the scheduler in core/scheduler.py)
     G waiting generations ahead of it (which will hold slots of their own):
 
         steps  = max(ceil((W + P) / (B - D)),           token budget left after the decodes
-                     ceil(prompts / free slots))         or, when the slots are all held, the
-                                                         decode steps until enough decodes
-                                                         finish first
-        engine = decode-only steps * cost(D, D)
-                 + steps * cost(D + prompts per step, D + (W + P) / steps)
-                 + what is left of the step running now
+                     slot steps)                         ceil(n / free slots), or, when the
+                                                         slots are all held, the steps until
+                                                         enough decodes finish
+        engine = steps * (a + b * D) + b * (W + P)       + the step running now
         bound  = calibrated(engine) + front-end delay
 
-    `cost(sequences, tokens)` is the engine's step cost (`StepCostModel`): its warm-up table of
-    what each padded shape bucket costs, times a level that follows the live steps. W still
-    counts the prompts the running step is taking (the ledger learns they are done only when
-    their outputs arrive): a measured alternative that lays the running step out and drops
-    them is commit 222857c, reverted after one run (docs/benchmarks.md, session 18).
-    `calibrated` adds the measured error of past predictions of the same size at the target
-    quantile (`Calibration`, per kind). The front-end delay is what the HTTP process itself adds
-    after the engine answered (its event-loop lag, the time answers took from the engine client
-    to their handler).
+    `a + b * tokens` is the step-cost fit (`StepCostModel`). `calibrated` adds the measured error
+    of past predictions of the same size at the target quantile (`Calibration`, per kind).
+    The front-end delay is what the HTTP process itself adds after the engine answered (its
+    event-loop lag, the time answers took from the engine client to their handler).
 
     It is admitted when `bound <= deadline - now`, and when the hard caps on queued requests and
     tokens allow it (they bound memory, not time; batch work may fill `batch_share` of them).
@@ -64,13 +57,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 
 from tailguard.core.calibration import Calibration, StepCostModel
 from tailguard.core.request import EngineOutput, FinishReason, Priority
-from tailguard.core.stats import StepCostTable, StepStats
 
 __all__ = [
     "AdmissionConfig",
@@ -258,16 +249,6 @@ class AdmissionController:
             w.generations += gen
             w.generation_outputs += gen * item.output_tokens
 
-    def engine_steps(self, steps: Iterable[StepStats], costs: StepCostTable | None = None) -> None:
-        """The engine reported these steps (and, from its warm-up, what each bucket costs):
-        follow its step cost, and the start of the step running now."""
-        if costs is not None:
-            self.cost.set_table(costs.forward, costs.head)
-        for step in steps:
-            self.cost.observe(step.num_tokens, step.step_s, step.num_seqs)
-            self.step_ended(step.t_s)
-        self.cost.refit()
-
     def step_ended(self, t_s: float) -> None:
         """The engine reported a step that ended at `t_s` (monotonic): the next one began then."""
         self._step_start_s = max(self._step_start_s, t_s)
@@ -345,28 +326,17 @@ class AdmissionController:
         ahead = self._waiting_interactive if interactive else self._waiting_all
         held = min(len(self._decoding), slots)
         tokens = ahead.tokens + prompt_tokens
-        prompts = ahead.requests - ahead.generations + 1  # that free their slot after prefill
         steps = math.ceil(tokens / (budget - held))
         # slots left once the waiting generations hold theirs
         free = slots - held - ahead.generations
-        decode_only = 0  # steps that only decode, waiting for slots to free
         if free >= 1:
-            steps = max(steps, math.ceil(prompts / free))
+            steps = max(steps, math.ceil((ahead.requests - ahead.generations + 1) / free))
         else:
-            decode_only = self._steps_until_freed(1 - free)
-            free = 1
-        cost = self.cost
-        # the prompts spread over `steps` steps, each beside the held sequences' decodes
-        per_step = cost.step_s(
-            held + min(free, math.ceil(prompts / steps)),
-            min(budget, held + math.ceil(tokens / steps)),
-        )
-        t = decode_only * cost.step_s(held, held) + steps * per_step
+            steps = max(steps, self._steps_until_freed(1 - free) + 1)
+        a, b = self.cost.a, self.cost.b
+        t = steps * (a + b * held) + b * tokens
         if self._items:  # a step is running: ours starts after what is left of it
-            running = cost.step_s(
-                min(slots, held + self._waiting_all.requests),
-                min(budget, held + self._waiting_all.tokens),
-            )
+            running = a + b * min(budget, held + self._waiting_all.tokens)
             t += max(running - (now_s - self._step_start_s), 0.0)
         return t
 
@@ -443,7 +413,7 @@ class AdmissionController:
             return Decision(True, predicted, math.inf, 0.0, "")
         # The engine drops it unstarted past this instant: a single-pass request that starts
         # later than deadline - its own compute could not finish in time anyway.
-        own = self.cost.step_s(1, prompt_tokens) if single_pass else 0.0
+        own = self.cost.step_s(prompt_tokens) if single_pass else 0.0
         return Decision(True, predicted, deadline_s - own, 0.0, "")
 
     def _refusal(

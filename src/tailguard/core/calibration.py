@@ -14,32 +14,26 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 __all__ = ["EDGES_S", "Calibration", "RecentMax", "StepCostModel"]
 
 
 class StepCostModel:
-    """step_s ~= level * shape(sequences, tokens): a shape measured once, a level that follows.
+    """step_s ~= level * (a0 + b0 * num_tokens): a shape fitted once, a level that follows.
 
-    The shape, when the engine publishes its warm-up table (`StepCostTable`): every forward is
-    padded to a token bucket and its output head to a sequence bucket, so a step's compute is
-    the forward's cost at its token bucket plus the head's at its sequence bucket, both
-    measured by warm-up. A straight line through the step sizes cannot say this: a 33-sequence
-    decode step costs about what a 64-sequence one does, and the token buckets' costs are far
-    from linear (measured on the embedded model: 15 ms at 16 tokens, 20 at 64, 38 at 256, 88 at
-    1,024; a line fitted through them predicted a 600-token step 37 ms too slow).
+    A linear fit rather than a tokens/s average because a step has a fixed cost (launch, python,
+    sampling) that a small batch pays in full: a tokens/s figure measured at batch 1 would
+    underestimate a full batch's throughput several times over.
 
-    Without a table (the stub and simulated engines), a linear shape `a0 + b0 * tokens`: a fit
-    rather than a tokens/s average because a step has a fixed cost (launch, python, sampling)
-    that a small batch pays in full. It is fitted by least squares to the first steps the
-    engine reports (its warm-up, which runs every bucket once).
-
-    After that only the level moves (a moving average of actual / shape over the recent
-    steps): when other processes take the engine's CPU every step slows by about the same
-    factor, and the level follows within a few steps. Refitting the shape from live steps does
-    not work: they cover only the sizes the traffic makes, and steps slowed by contention at
-    some sizes and not others tilt it (measured: a 52 ms fixed cost fitted for 37 ms steps).
+    The shape `(a0, b0)` is fitted by least squares to the first steps the engine reports: its
+    warm-up, which runs every bucket shape once, so every size is in it. After that only the
+    level moves (a moving average of actual / shape over the recent steps): when other processes
+    take the engine's CPU every step slows by about the same factor, and the level follows
+    within a few steps. Refitting the shape from live steps does not work: they cover only the
+    sizes the traffic makes, a run of one-token decode steps cannot tell fixed cost from
+    per-token cost, and steps slowed by contention at some sizes and not others tilt the line
+    (measured: a 52 ms fixed cost fitted for 37 ms steps).
     """
 
     def __init__(self, prior_a: float, prior_b: float, alpha: float = 0.1) -> None:
@@ -48,50 +42,27 @@ class StepCostModel:
         self.alpha = alpha  # weight of a new step in the level's moving average
         self._first: list[tuple[int, float]] = []  # steps before the shape is fitted
         self._fitted = False
-        self._forward: tuple[list[int], list[float]] = ([], [])  # token buckets, seconds
-        self._head: tuple[list[int], list[float]] = ([], [])  # sequence buckets, seconds
-
-    @property
-    def tabled(self) -> bool:
-        """True once the engine's bucket table is the shape."""
-        return bool(self._forward[0])
 
     @property
     def a(self) -> float:
-        """Fixed cost of a step (seconds); with a table, the cost of the smallest step."""
-        return self.step_s(1, 1) if self.tabled else self.a0 * self.level
+        return self.a0 * self.level
 
     @property
     def b(self) -> float:
-        """Average cost of one more token (seconds), between the smallest step and a full one."""
-        if not self.tabled:
-            return self.b0 * self.level
-        top = self._forward[0][-1]
-        return (self.step_s(1, top) - self.step_s(1, 1)) / max(top - 1, 1)
+        return self.b0 * self.level
 
-    def set_table(
-        self, forward: Sequence[tuple[int, float]], head: Sequence[tuple[int, float]]
-    ) -> None:
-        """Take the engine's warm-up table as the shape (idempotent; the first one stays)."""
-        if self.tabled or not forward:
-            return
-        self._forward = _monotonic(forward, 1e-6)
-        self._head = _monotonic(head or [(1, 0.0)], 0.0)
-        self._fitted = True
-        self._first = []
-
-    def observe(self, num_tokens: int, step_s: float, num_seqs: int = 1) -> None:
+    def observe(self, num_tokens: int, step_s: float) -> None:
         if num_tokens <= 0 or step_s <= 0:
             return
         if not self._fitted:
             self._first.append((num_tokens, step_s))
             return
-        ratio = step_s / self.shape_s(num_seqs, num_tokens)
+        ratio = step_s / (self.a0 + self.b0 * num_tokens)
         self.level += self.alpha * (ratio - self.level)
 
     def refit(self) -> None:
-        """Fit the linear shape once enough steps of different sizes are in (cheap; call after a
-        batch of observations). A no-op once a table or a fit is in place."""
+        """Fit the shape once enough steps of different sizes are in (cheap; call after a batch
+        of observations)."""
         if self._fitted or len(self._first) < 4:
             return
         xs = [x for x, _ in self._first]
@@ -109,38 +80,8 @@ class StepCostModel:
         self._fitted = True
         self._first = []
 
-    def shape_s(self, num_seqs: float, num_tokens: float) -> float:
-        """The step's cost at level 1 (seconds)."""
-        if not self.tabled:
-            return self.a0 + self.b0 * num_tokens
-        return _bucket_cost(self._forward, num_tokens) + _bucket_cost(self._head, num_seqs)
-
-    def step_s(self, num_seqs: float, num_tokens: float) -> float:
-        """Predicted wall time of one step of `num_seqs` sequences and `num_tokens` tokens."""
-        return self.level * self.shape_s(num_seqs, num_tokens)
-
-
-def _monotonic(table: Sequence[tuple[int, float]], floor: float) -> tuple[list[int], list[float]]:
-    """Sizes ascending, each cost at least the one below it: warm-up timings are noisy (a
-    larger bucket may time a little faster), and `AdmissionController.saturated` relies on a
-    prediction that never shrinks as a request grows."""
-    sizes, costs = [], []
-    top = floor
-    for n, x in sorted(table):
-        top = max(top, x)
-        sizes.append(n)
-        costs.append(top)
-    return sizes, costs
-
-
-def _bucket_cost(table: tuple[list[int], list[float]], n: float) -> float:
-    """The cost of the smallest bucket that holds `n`; past the largest, scaled up from it (the
-    engine would split such a step)."""
-    sizes, costs = table
-    i = bisect_left(sizes, n)
-    if i < len(sizes):
-        return costs[i]
-    return costs[-1] * n / sizes[-1]
+    def step_s(self, num_tokens: float) -> float:
+        return self.a + self.b * num_tokens
 
 
 def _quantile(samples: Iterable[float], q: float) -> float:
@@ -230,7 +171,6 @@ class Calibration:
         excess = actual_s - predicted_s
         d = self._samples[k]
         planned = self._measured[k]
-        # the previous answer of this batch and class was a miss too: one event
         same_batch = bool(d) and d[-1][0] == now_s
         if planned is not None and same_batch and min(excess, d[-1][1]) > planned:
             d[-1] = (now_s, max(d[-1][1], excess))

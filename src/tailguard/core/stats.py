@@ -31,15 +31,6 @@ class StepStats(msgspec.Struct):
     num_decode_tokens: int
 
 
-class StepCostTable(msgspec.Struct):
-    """What each shape bucket costs, measured by the engine's warm-up (seconds). Every forward
-    is padded to these buckets, so a step's compute is a function of its two buckets; admission
-    predicts steps from this table (core/calibration.py `StepCostModel`)."""
-
-    forward: list[tuple[int, float]] = []  # (token bucket, s): a whole forward, head over 1 row
-    head: list[tuple[int, float]] = []  # (sequence bucket, s): the head's cost beyond one row
-
-
 class EngineStats(msgspec.Struct):
     """Snapshot published by the engine process after steps (at most every few ms)."""
 
@@ -68,5 +59,4 @@ class EngineStats(msgspec.Struct):
     tokens_per_s: float = 0.0  # recent EWMA of processed (prefill + decode) tokens per second
     step_s_ewma: float = 0.0  # recent EWMA of step wall time
     recent_steps: list[StepStats] = []  # steps since the previous snapshot
-    step_costs: StepCostTable = msgspec.field(default_factory=StepCostTable)  # from warm-up
     allocator: AllocatorStats = msgspec.field(default_factory=AllocatorStats)

@@ -18,7 +18,7 @@ import torch
 from tailguard.core.block_pool import BlockPool
 from tailguard.core.request import EngineOutput, EngineRequest
 from tailguard.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SeqResult
-from tailguard.core.stats import AllocatorStats, EngineStats, StepCostTable, StepStats
+from tailguard.core.stats import AllocatorStats, EngineStats, StepStats
 from tailguard.engine.allocator import allocator_stats
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.runner import ModelRunner
@@ -64,28 +64,25 @@ class EngineCore:
         self._tokens_per_s = 0.0
         self._recent: list[StepStats] = []
         self.warmup_done = False
-        self.step_costs = StepCostTable()  # filled by warm-up
 
     # ---- commands ------------------------------------------------------------------------
     def warmup(self) -> None:
         if self.config.warmup:
-            # what each bucket costs: admission control predicts step times from this table
-            # (every snapshot carries it), and warm-up forwards are real steps of known size
-            self.step_costs = self.runner.warmup()
-            now = time.monotonic()
-            self._recent.extend(
-                StepStats(
-                    t_s=now,
-                    step_s=secs,
-                    num_seqs=1,
-                    num_tokens=tokens,
-                    padded_seqs=1,
-                    padded_tokens=tokens,
-                    num_prefill_tokens=tokens,
-                    num_decode_tokens=0,
+            # warm-up forwards are real steps of known size: publish them so admission control
+            # starts calibrated (the first stats snapshot carries them)
+            for seqs, tokens, secs in self.runner.warmup():
+                self._recent.append(
+                    StepStats(
+                        t_s=time.monotonic(),
+                        step_s=secs,
+                        num_seqs=seqs,
+                        num_tokens=tokens,
+                        padded_seqs=seqs,
+                        padded_tokens=tokens,
+                        num_prefill_tokens=tokens,
+                        num_decode_tokens=0,
+                    )
                 )
-                for tokens, secs in self.step_costs.forward
-            )
         gc.collect()
         gc.freeze()  # everything alive now (model, pool) is never scanned again
         self.warmup_done = True
@@ -202,6 +199,5 @@ class EngineCore:
             tokens_per_s=self._tokens_per_s,
             step_s_ewma=self._step_s_ewma,
             recent_steps=recent,
-            step_costs=self.step_costs,
             allocator=alloc,
         )

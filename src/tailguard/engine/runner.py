@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from tailguard.core.request import EngineRequest, Pooling, RequestKind
 from tailguard.core.scheduler import ScheduledSeq, SeqResult
-from tailguard.core.stats import StepCostTable
 from tailguard.engine.buckets import (
     ShapeKey,
     ShapeTracker,
@@ -149,26 +146,24 @@ class ModelRunner:
             c.max_num_seqs, c.max_num_batched_tokens, c.block_size, self.blocks_ladder
         )
 
-    def warmup(self) -> StepCostTable:
+    def warmup(self) -> list[tuple[int, int, float]]:
         """Run every op shape serving can produce once: a forward per token bucket, the output
         head per sequence bucket, and (CUDA) every attention group shape alone (one layer's op,
         the same in every layer), so the allocator's high-water mark is reached before the
-        first request; on CPU the attention shapes are declared, not run (buckets.py).
-
-        Returns what each bucket costs, a first calibration of step time for admission: the
-        forward per token bucket and the head's cost per sequence bucket beyond one row, each
-        the faster of two runs (the first run of a shape pays one-time costs that serving
-        never sees again)."""
-        forward: list[tuple[int, float]] = []
+        first request; on CPU the attention shapes are declared, not run (buckets.py). Returns
+        (sequences, tokens, seconds) of each token bucket's forward: a first calibration of
+        step cost."""
+        timings = []
         for num_tokens in self.config.token_buckets:
-            forward.append((num_tokens, _fastest(partial(self._dummy_forward, num_tokens, 1))))
+            t0 = time.perf_counter()
+            self._dummy_forward(num_tokens, self.config.seq_buckets[0])
+            timings.append((1, num_tokens, time.perf_counter() - t0))
         hidden = torch.zeros(
             self.config.seq_buckets[-1], self.mcfg.hidden_size, dtype=self.dtype, device=self.device
         )
-        head: list[tuple[int, float]] = []
         with torch.inference_mode():
             for rows in self.config.seq_buckets:
-                head.append((rows, _fastest(partial(self.model.compute_logits, hidden[:rows]))))
+                self.model.compute_logits(hidden[:rows])
                 self.shapes.record([("logits", rows)])
             if self.device.type == "cuda":  # pragma: no cover - needs a GPU
                 for key in self._attention_shapes():
@@ -176,10 +171,7 @@ class ModelRunner:
             else:
                 self.shapes.allow(self._attention_shapes())
         self.shapes.mark_warm()
-        one_row = head[0][1]
-        return StepCostTable(
-            forward=forward, head=[(rows, max(s - one_row, 0.0)) for rows, s in head]
-        )
+        return timings
 
     def _dummy_forward(self, num_tokens: int, logits_rows: int) -> None:
         """A whole forward over `num_tokens` tokens (one sequence: one attention group) that
@@ -421,15 +413,3 @@ def _device_allocs(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return int(torch.cuda.memory_stats(device).get("num_device_alloc", 0))  # pragma: no cover
-
-
-def _fastest(run: Callable[[], object], repeats: int = 2) -> float:
-    """Seconds of the fastest of `repeats` runs (synchronised on CUDA)."""
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():  # pragma: no cover
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best

@@ -250,7 +250,10 @@ class App:
                 new = self.metrics.observe_engine(
                     s, ready=self.engine.ready, restarts=self.engine.restarts
                 )
-                self.admission.engine_steps(new, s.step_costs)
+                for step in new:
+                    self.admission.cost.observe(step.num_tokens, step.step_s)
+                    self.admission.step_ended(step.t_s)
+                self.admission.cost.refit()
                 self.admission.refresh(time.monotonic())
                 self.metrics.in_flight.set(self.admission.queued_requests)
             except Exception as exc:  # a bad snapshot must not stop the pump; say so once
