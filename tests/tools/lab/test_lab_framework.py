@@ -10,8 +10,9 @@ import pytest
 
 from tailguard.cli import main
 from tailguard.tools.doctor.collect import load_recorded
+from tailguard.tools.doctor.diagnosis import diagnose
+from tailguard.tools.doctor.finding import Cause
 from tailguard.tools.doctor.loadreport import LoadSummary
-from tailguard.tools.doctor.rules import Cause, diagnose
 from tailguard.tools.lab import runner as lab_runner
 from tailguard.tools.lab import setups as lab_setups
 from tailguard.tools.lab.report import acceptance, confusion_matrix, side_by_side

@@ -69,6 +69,44 @@ MAX_REQUESTS_HIT_MIN = 1
 SLOW_NEW_CX_MIN = 5
 """At least 5 requests that connection set-up alone pushed over the SLA (one or two are noise)."""
 
+# --- noisy neighbour ---------------------------------------------------------------------------
+NEIGHBOUR_CPU_SHARE = 0.40
+"""Processes that are not the servers using over 40% of the host's cores: with the servers'
+own work on top the cores are contended (2 cores: 0.8 of a core taken by others)."""
+RUNQ_WAIT_SHARE = 0.10
+"""The servers' threads waiting for a core over 0.1 s per second (schedstat): every request's
+compute and every event-loop turn is delayed that much by whoever holds the cores."""
+
+# --- GC pauses ------------------------------------------------------------------------------------
+GC_MISS_SHARE = 0.02
+"""GC pauses over 2% of wall time while the SLA is missed: with pauses of 10-100 ms that is
+one stop every second or so, enough to push the slowest 1% past a 150 ms budget."""
+
+# --- KV-pool exhaustion -------------------------------------------------------------------------
+PREEMPT_PER_REQUEST = 0.01
+"""Preemptions (sequences evicted and recomputed for KV space) on over 1% of requests: each one
+repeats a prefill and stalls its request; a pool sized for the load preempts ~never."""
+KV_USAGE_FULL = 0.95
+"""KV usage at 95%+ of the pool at a window end: the next long prompt preempts someone."""
+
+# --- prefill-heavy traffic ------------------------------------------------------------------------
+PREFILL_TOKENS_PER_SEQ = 32.0
+"""Tokens per sequence per step (batch tokens / batch sequences) over 32: steps are mostly
+prompt tokens (a decode step is 1 token per sequence), so decodes and short prompts wait."""
+PREFILL_STEP_SLA_FRACTION = 0.25
+"""Mean engine step over a quarter of the SLA: four steps (queue, prefill, decode) exhaust it."""
+PROMPT_TOKENS_LONG = 1024.0
+"""vLLM: mean prompt over 1024 tokens and prompts over 8x the generated tokens: the traffic is
+prefill-bound."""
+
+# --- admission mis-calibration -------------------------------------------------------------------
+PREDICTION_LATE_SHARE = 0.05
+"""Over 5% of admitted requests later than admission planned (prediction ratio > 1): the cost
+model is optimistic, so admitted work misses its deadline instead of being refused."""
+PREDICTION_HELD_MIN = 0.5
+"""Ratio under 0.5 for most admitted requests while refusing: admission plans twice the time
+work takes and refuses requests that would have made it."""
+
 # --- confidence ----------------------------------------------------------------------------------
 CAUSE_MIN_CONFIDENCE = 0.5
 """A finding at or above this is named as a cause (exit 1); below it is reported as a note."""

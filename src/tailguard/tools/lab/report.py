@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from tailguard.tools.doctor.rules import Cause
+from tailguard.tools.doctor.finding import Cause
 from tailguard.tools.lab.runner import SideResult
 from tailguard.tools.lab.scenarios import Scenario
 

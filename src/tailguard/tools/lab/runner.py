@@ -25,9 +25,10 @@ from tailguard.tools.doctor.collect import (
     default_cores,
     with_load_report,
 )
+from tailguard.tools.doctor.diagnosis import diagnose
+from tailguard.tools.doctor.finding import Cause
 from tailguard.tools.doctor.loadreport import LoadSummary
 from tailguard.tools.doctor.report import plain, render_json, render_text
-from tailguard.tools.doctor.rules import Cause, diagnose
 from tailguard.tools.doctor.snapshot import ParseError
 from tailguard.tools.lab.procs import LabError, has_cuda
 from tailguard.tools.lab.scenarios import Scenario, Side

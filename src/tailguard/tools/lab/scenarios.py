@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tailguard.tools.doctor.rules import Cause
+from tailguard.tools.doctor.finding import Cause
 from tailguard.tools.lab.setups import EnvoyFront, NaiveServer, Setup, TailguardServer
 
 
