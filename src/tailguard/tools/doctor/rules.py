@@ -287,13 +287,15 @@ def churn(obs: Observation, sym: Symptom) -> Finding:
             _ev("upstream_cx_max_requests", cap_up, T.MAX_REQUESTS_HIT_MIN,
                 cap_up >= T.MAX_REQUESTS_HIT_MIN, 0.5, where="envoy", risk=True),
             _ev("downstream connections closed per request", cx / rq if rq else 0.0,
-                T.CX_PER_REQUEST, rq > 0 and cx / rq > T.CX_PER_REQUEST, 0.45, where="envoy",
-                risk=True),
+                T.CX_PER_REQUEST, rq > 0 and cx >= T.CX_CLOSED_MIN and cx / rq > T.CX_PER_REQUEST,
+                0.45, where="envoy", risk=True),
             _ev("upstream connections closed per request", up_cx / up_rq if up_rq else 0.0,
-                T.CX_PER_REQUEST, up_rq > 0 and up_cx / up_rq > T.CX_PER_REQUEST, 0.3,
+                T.CX_PER_REQUEST, up_rq > 0 and up_cx >= T.CX_CLOSED_MIN
+                and up_cx / up_rq > T.CX_PER_REQUEST, 0.3,
                 where="envoy", risk=True),
             _ev("TLS handshakes per request", tls / rq if rq else 0.0, T.TLS_PER_REQUEST,
-                rq > 0 and tls / rq > T.TLS_PER_REQUEST, 0.3, where="envoy", risk=True),
+                rq > 0 and tls >= T.CX_CLOSED_MIN and tls / rq > T.TLS_PER_REQUEST, 0.3,
+                where="envoy", risk=True),
             _ev("upstream connections torn down with a request on them", torn, 1,
                 torn >= 1, 0.3, where="envoy", risk=True),
         ]  # fmt: skip
@@ -304,14 +306,17 @@ def churn(obs: Observation, sym: Symptom) -> Finding:
         if sw.has("tailguard_connections_opened_total") and rq > 0:
             ev.append(
                 _ev("server connections closed per request", cx / rq, T.CX_PER_REQUEST,
-                    cx / rq > T.CX_PER_REQUEST, 0.45, where=sw.name, risk=True)
+                    cx >= T.CX_CLOSED_MIN and cx / rq > T.CX_PER_REQUEST, 0.45, where=sw.name,
+                    risk=True)
             )  # fmt: skip
     if obs.load is not None and obs.load.known_connection:
         ld = obs.load
         ev += [
             _ev("client reconnects per request (new connections beyond peak concurrency)",
                 ld.reconnects_per_request, T.CX_PER_REQUEST,
-                ld.reconnects_per_request > T.CX_PER_REQUEST, 0.3, where="load report", risk=True),
+                ld.reconnects_per_request > T.CX_PER_REQUEST
+                and ld.new_connections - ld.peak_in_flight >= T.CX_CLOSED_MIN, 0.3,
+                where="load report", risk=True),
             # Only when some connections replaced closed ones: set-up paid because concurrency
             # grew (opening the pool) is not churn.
             _ev("requests that connection set-up pushed over the SLA", ld.slow_from_connect,

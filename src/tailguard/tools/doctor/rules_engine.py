@@ -189,7 +189,7 @@ def prefill_heavy(obs: Observation, sym: Symptom) -> Finding:
         ev_ = [
             ev("tokens per sequence per step (batch tokens / batch sequences)",
                -1.0 if tps is None else tps, T.PREFILL_TOKENS_PER_SEQ,
-               tps is not None and tps > T.PREFILL_TOKENS_PER_SEQ, 0.4, where=w),
+               tps is not None and tps > T.PREFILL_TOKENS_PER_SEQ, 0.5, where=w),
             ev("mean engine step", step.mean if step.count else -1.0,
                T.PREFILL_STEP_SLA_FRACTION * sla,
                step.count > 0 and step.mean > T.PREFILL_STEP_SLA_FRACTION * sla, 0.3, unit="s",
@@ -201,13 +201,13 @@ def prefill_heavy(obs: Observation, sym: Symptom) -> Finding:
             ratio = prompt.mean / gen.mean if gen.mean > 0 else prompt.mean
             ev_ += [
                 ev("mean prompt tokens (and prompt / generated >= 8)", prompt.mean,
-                   T.PROMPT_TOKENS_LONG, prompt.mean > T.PROMPT_TOKENS_LONG and ratio >= 8, 0.4,
+                   T.PROMPT_TOKENS_LONG, prompt.mean > T.PROMPT_TOKENS_LONG and ratio >= 8, 0.5,
                    where=w),
                 ev("prefill share of request inference time", pre_share, 0.5, pre_share > 0.5,
                    0.3, where=w),
             ]  # fmt: skip
         conf = combine(ev_)
-        if not any(e.fired and e.weight == 0.4 for e in ev_):  # long steps alone: not prompts
+        if not any(e.fired and e.weight == 0.5 for e in ev_):  # long steps alone: not prompts
             conf *= 0.3
         if conf >= best[0]:
             best = (round(conf, 3), ev_, w)

@@ -90,9 +90,10 @@ KV_USAGE_FULL = 0.95
 """KV usage at 95%+ of the pool at a window end: the next long prompt preempts someone."""
 
 # --- prefill-heavy traffic ------------------------------------------------------------------------
-PREFILL_TOKENS_PER_SEQ = 32.0
-"""Tokens per sequence per step (batch tokens / batch sequences) over 32: steps are mostly
-prompt tokens (a decode step is 1 token per sequence), so decodes and short prompts wait."""
+PREFILL_TOKENS_PER_SEQ = 256.0
+"""Tokens per sequence per step (batch tokens / batch sequences) over 256: steps are long
+prompts (a decode step is 1 token per sequence; a short single-pass request is its prompt, tens
+of tokens), so every request behind them waits a whole step per chunk."""
 PREFILL_STEP_SLA_FRACTION = 0.25
 """Mean engine step over a quarter of the SLA: four steps (queue, prefill, decode) exhaust it."""
 PROMPT_TOKENS_LONG = 1024.0
@@ -106,6 +107,10 @@ model is optimistic, so admitted work misses its deadline instead of being refus
 PREDICTION_HELD_MIN = 0.5
 """Ratio under 0.5 for most admitted requests while refusing: admission plans twice the time
 work takes and refuses requests that would have made it."""
+
+CX_CLOSED_MIN = 10
+"""Per-request connection rates count only with 10+ connections closed in the window: a client
+that finished and closed its few pooled connections is not churn."""
 
 # --- confidence ----------------------------------------------------------------------------------
 CAUSE_MIN_CONFIDENCE = 0.5

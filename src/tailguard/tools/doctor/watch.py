@@ -169,9 +169,10 @@ def neighbours_between(
     b: dict[int, tuple[float, str]],
     exclude: set[int],
     window_s: float,
-    top: int = 5,
+    top: int = 50,
 ) -> tuple[Neighbour, ...]:
-    """The processes outside `exclude` that used the most CPU between two host_processes()."""
+    """The processes outside `exclude` that used CPU (1% of a core or more) between two
+    host_processes(), busiest first (at most `top`: a bounded record)."""
     used = []
     for pid, (cpu1, name) in b.items():
         if pid in exclude:
