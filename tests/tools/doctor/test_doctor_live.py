@@ -66,11 +66,13 @@ def test_live_churn_cap_on_a_healthy_window_exits_three() -> None:
 def test_live_vllm_server_over_sockets() -> None:
     server = Replay({"/metrics": fixture_pair("vllm_overload", "server-0")})
     with server.running() as url:
-        out = doctor("--server", url, "--window", "0.2s", "--sla", "2s", "--no-probe", "--json")
+        # --no-proc: a replayed window is not this host's; its CPU (a busy shared machine) is not
+        out = doctor("--server", url, "--window", "0.2s", "--sla", "2s", "--no-probe", "--no-proc",
+                     "--json")  # fmt: skip
     assert out.returncode == 1, out.stderr + out.stdout
     doc = json.loads(out.stdout)
     assert doc["verdict"] == "overload"
-    assert any("vLLM has no admission control" in x for x in doc["not_evaluated"])
+    assert any("no deadline prediction" in x for x in doc["not_evaluated"])
 
 
 def test_live_healthy_exits_zero() -> None:
@@ -90,7 +92,8 @@ def test_one_server_down_is_a_note_not_a_failure() -> None:
     server = Replay({"/metrics": fixture_pair("starvation", "server-0")})
     with server.running() as s_url:
         dead = f"http://127.0.0.1:{free_port()}"
-        out = doctor("--server", s_url, "--server", dead, "--window", "0.2s", "--host-cores", "2")
+        out = doctor("--server", s_url, "--server", dead, "--window", "0.2s", "--host-cores", "2",
+                     "--no-proc")  # fmt: skip
     assert out.returncode == 1, out.stderr + out.stdout
     assert "verdict: starvation" in out.stdout
     assert f"skipped {dead}/metrics" in out.stdout

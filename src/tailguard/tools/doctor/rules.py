@@ -22,7 +22,7 @@ from tailguard.tools.doctor.observation import (
     Symptom,
     allocator_window,
 )
-from tailguard.tools.doctor.snapshot import envoy_sum
+from tailguard.tools.doctor.snapshot import Snapshot, envoy_sum
 
 
 def batch_fill(sw: ServerWindow) -> float | None:
@@ -256,49 +256,53 @@ def starvation(obs: Observation, sym: Symptom) -> Finding:
 # --- connection churn -------------------------------------------------------------------------
 
 
+def _envoy_churn(b: Snapshot, a: Snapshot) -> list[Evidence]:
+    """Churn evidence from Envoy's counters at both ends of the window."""
+
+    def d(prefix: str, suffix: str) -> float:
+        skip = ("admin",)
+        return max(0.0, envoy_sum(a, prefix, suffix, skip) - envoy_sum(b, prefix, suffix, skip))
+
+    def g(prefix: str, suffix: str) -> float:  # gauge at the end (connections still open)
+        return envoy_sum(a, prefix, suffix, ("admin",))
+
+    rq = d("http", "downstream_rq_total")
+    # Connections opened in the window and closed again: at least opened minus all still
+    # open at its end. Opening connections because concurrency grew (a queue) is not churn,
+    # and neither is the closing of connections opened before it (a client that left).
+    cx = max(0.0, d("http", "downstream_cx_total") - g("http", "downstream_cx_active"))
+    tls = d("listener", "ssl.handshake")
+    cap_down = d("http", "downstream_cx_max_requests_reached")
+    cap_up = d("cluster", "upstream_cx_max_requests")
+    up_rq = d("cluster", "upstream_rq_total")
+    up_cx = max(0.0, d("cluster", "upstream_cx_total") - g("cluster", "upstream_cx_active"))
+    torn = d("cluster", "upstream_cx_destroy_local_with_active_rq") + d(
+        "cluster", "upstream_cx_destroy_remote_with_active_rq"
+    )
+    return [
+        _ev("downstream_cx_max_requests_reached", cap_down, T.MAX_REQUESTS_HIT_MIN,
+            cap_down >= T.MAX_REQUESTS_HIT_MIN, 0.6, where="envoy", risk=True),
+        _ev("upstream_cx_max_requests", cap_up, T.MAX_REQUESTS_HIT_MIN,
+            cap_up >= T.MAX_REQUESTS_HIT_MIN, 0.5, where="envoy", risk=True),
+        _ev("downstream connections closed per request", cx / rq if rq else 0.0,
+            T.CX_PER_REQUEST, rq > 0 and cx >= T.CX_CLOSED_MIN and cx / rq > T.CX_PER_REQUEST,
+            0.45, where="envoy", risk=True),
+        _ev("upstream connections closed per request", up_cx / up_rq if up_rq else 0.0,
+            T.CX_PER_REQUEST, up_rq > 0 and up_cx >= T.CX_CLOSED_MIN
+            and up_cx / up_rq > T.CX_PER_REQUEST, 0.3,
+            where="envoy", risk=True),
+        _ev("TLS handshakes per request", tls / rq if rq else 0.0, T.TLS_PER_REQUEST,
+            rq > 0 and tls >= T.CX_CLOSED_MIN and tls / rq > T.TLS_PER_REQUEST, 0.3,
+            where="envoy", risk=True),
+        _ev("upstream connections torn down with a request on them", torn, 1,
+            torn >= 1, 0.3, where="envoy", risk=True),
+    ]  # fmt: skip
+
+
 def churn(obs: Observation, sym: Symptom) -> Finding:
     ev: list[Evidence] = []
     if obs.envoy_before is not None and obs.envoy_after is not None:
-        b, a = obs.envoy_before, obs.envoy_after
-
-        def d(prefix: str, suffix: str) -> float:
-            skip = ("admin",)
-            return max(0.0, envoy_sum(a, prefix, suffix, skip) - envoy_sum(b, prefix, suffix, skip))
-
-        def g(prefix: str, suffix: str) -> float:  # gauge at the end (connections still open)
-            return envoy_sum(a, prefix, suffix, ("admin",))
-
-        rq = d("http", "downstream_rq_total")
-        # Connections opened in the window and closed again: at least opened minus all still
-        # open at its end. Opening connections because concurrency grew (a queue) is not churn,
-        # and neither is the closing of connections opened before it (a client that left).
-        cx = max(0.0, d("http", "downstream_cx_total") - g("http", "downstream_cx_active"))
-        tls = d("listener", "ssl.handshake")
-        cap_down = d("http", "downstream_cx_max_requests_reached")
-        cap_up = d("cluster", "upstream_cx_max_requests")
-        up_rq = d("cluster", "upstream_rq_total")
-        up_cx = max(0.0, d("cluster", "upstream_cx_total") - g("cluster", "upstream_cx_active"))
-        torn = d("cluster", "upstream_cx_destroy_local_with_active_rq") + d(
-            "cluster", "upstream_cx_destroy_remote_with_active_rq"
-        )
-        ev += [
-            _ev("downstream_cx_max_requests_reached", cap_down, T.MAX_REQUESTS_HIT_MIN,
-                cap_down >= T.MAX_REQUESTS_HIT_MIN, 0.6, where="envoy", risk=True),
-            _ev("upstream_cx_max_requests", cap_up, T.MAX_REQUESTS_HIT_MIN,
-                cap_up >= T.MAX_REQUESTS_HIT_MIN, 0.5, where="envoy", risk=True),
-            _ev("downstream connections closed per request", cx / rq if rq else 0.0,
-                T.CX_PER_REQUEST, rq > 0 and cx >= T.CX_CLOSED_MIN and cx / rq > T.CX_PER_REQUEST,
-                0.45, where="envoy", risk=True),
-            _ev("upstream connections closed per request", up_cx / up_rq if up_rq else 0.0,
-                T.CX_PER_REQUEST, up_rq > 0 and up_cx >= T.CX_CLOSED_MIN
-                and up_cx / up_rq > T.CX_PER_REQUEST, 0.3,
-                where="envoy", risk=True),
-            _ev("TLS handshakes per request", tls / rq if rq else 0.0, T.TLS_PER_REQUEST,
-                rq > 0 and tls >= T.CX_CLOSED_MIN and tls / rq > T.TLS_PER_REQUEST, 0.3,
-                where="envoy", risk=True),
-            _ev("upstream connections torn down with a request on them", torn, 1,
-                torn >= 1, 0.3, where="envoy", risk=True),
-        ]  # fmt: skip
+        ev += _envoy_churn(obs.envoy_before, obs.envoy_after)
     for sw in obs.servers:
         rq = requests_in_window(sw)
         opened = sw.delta("tailguard_connections_opened_total")

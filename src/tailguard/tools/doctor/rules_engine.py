@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tailguard.tools.doctor import thresholds as T
 from tailguard.tools.doctor.finding import Cause, Evidence, Finding, combine, ev, summary
+from tailguard.tools.doctor.loadreport import LoadSummary
 from tailguard.tools.doctor.observation import (
     LATENCY,
     Observation,
@@ -40,21 +41,26 @@ def _rates(sw: ServerWindow, window_s: float) -> tuple[float, float, float]:
     return offered, served, est
 
 
+def _client_refusals(ld: LoadSummary | None) -> list[Evidence]:
+    """The load report's refusals (429/503), how many said when to retry, the offered rate."""
+    if ld is None or not ld.requests:
+        return []
+    share = ld.refused / ld.requests
+    return [
+        ev("client refused share (429/503)", share, T.REJECT_SHARE, share > T.REJECT_SHARE,
+           0.5, where="load report"),
+        ev("refusals that carried Retry-After", ld.retry_after, None, False, 0.0,
+           where="load report"),
+        ev("offered rate (load report)", ld.offered_rps, None, False, 0.0, unit=" req/s",
+           where="load report"),
+    ]  # fmt: skip
+
+
 def overload(obs: Observation, sym: Symptom) -> Finding:
     """Demand above capacity: refusals (decisive), or a queue on a full engine."""
     sla, win = sym.sla_s, obs.window_s
-    client: list[Evidence] = []
     ld = obs.load
-    if ld is not None and ld.requests:
-        share = ld.refused / ld.requests
-        client += [
-            ev("client refused share (429/503)", share, T.REJECT_SHARE, share > T.REJECT_SHARE,
-               0.5, where="load report"),
-            ev("refusals that carried Retry-After", ld.retry_after, None, False, 0.0,
-               where="load report"),
-            ev("offered rate (load report)", ld.offered_rps, None, False, 0.0, unit=" req/s",
-               where="load report"),
-        ]  # fmt: skip
+    client = _client_refusals(ld)
     client_refusing = any(e.fired for e in client)
     best: tuple[float, list[Evidence], str, bool, str] = (0.0, client, "", client_refusing, "")
     for sw in obs.servers:
@@ -98,8 +104,12 @@ def overload(obs: Observation, sym: Symptom) -> Finding:
         if conf >= best[0]:
             ratio = f" ({offered / est:.1f}x)" if est > 0 else ""
             rates = f"offered {offered:.0f} req/s against a measured capacity of ~{est:.0f}{ratio}"
-            best = (round(conf, 3), ev_, w, refusing and not (idle and not c.saturated),
-                    rates + (f"; {note}" if note else ""))  # fmt: skip
+            # Ranked first: refusals from an engine that was not idle, or a saturated engine
+            # whose queue grew under demand well over what it served (a neighbour that slowed
+            # it is then listed after: the queue grows faster than it drains either way).
+            swamped = c.saturated and backlog and offered >= T.OFFERED_OVER_CAPACITY * est
+            first = (refusing and not (idle and not c.saturated)) or swamped
+            best = (round(conf, 3), ev_, w, first, rates + (f"; {note}" if note else ""))
     conf, evidence, where, first, rates = best
     if not obs.servers:
         conf = combine(evidence)

@@ -56,6 +56,9 @@ have batched them if the budget allowed, so it is at capacity (token-bound batch
 # --- plain overload ----------------------------------------------------------------------------
 REJECT_SHARE = 0.01
 """Over 1% of requests refused (overloaded/expired/503/429): demand exceeds what is admitted."""
+OFFERED_OVER_CAPACITY = 1.5
+"""Offered rate 1.5x the measured capacity with a saturated engine and a growing queue: demand
+explains the queue whatever else slowed the engine, so overload is ranked first."""
 WAITING_MIN = 8
 """A waiting queue under 8 is scheduling jitter, not a backlog."""
 
