@@ -26,11 +26,11 @@ def doctor(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 def test_live_churn_over_sockets_and_record_round_trip(tmp_path: Path) -> None:
-    server = Replay({"/metrics": fixture_pair("churn", "server-0")})
-    envoy = Replay({"/stats": fixture_pair("churn", "envoy")})
+    server = Replay({"/metrics": fixture_pair("churn_missed", "server-0")})
+    envoy = Replay({"/stats": fixture_pair("churn_missed", "envoy")})
     with server.running() as s_url, envoy.running() as e_url:
         out = doctor("--server", s_url, "--envoy-admin", e_url, "--window", "300ms",
-                     "--load-report", str(FIXTURES / "churn"), "--host-cores", "2",
+                     "--load-report", str(FIXTURES / "churn_missed"), "--host-cores", "2",
                      "--record", str(tmp_path / "rec"), "--json")  # fmt: skip
     assert out.returncode == 1, out.stderr + out.stdout
     doc = json.loads(out.stdout)
@@ -41,29 +41,59 @@ def test_live_churn_over_sockets_and_record_round_trip(tmp_path: Path) -> None:
     again = doctor("--from-dir", str(tmp_path / "rec"), "--json")
     assert again.returncode == 1
     assert json.loads(again.stdout)["verdict"] == "churn"
-    assert (tmp_path / "rec" / "envoy.after.txt").read_text() == fixture_pair("churn", "envoy")[1]
+    envoy_after = fixture_pair("churn_missed", "envoy")[1]
+    assert (tmp_path / "rec" / "envoy.after.txt").read_text() == envoy_after
     # the doctor's own probe of the server was recorded too (about 3 probes in 300 ms)
     watch = json.loads((tmp_path / "rec" / "watch-0.json").read_text())
     assert len(watch["probe_latencies"]) >= 2
     # the replay server is on this host: its process and the host's CPU were sampled
     assert watch["proc"]["samples"] >= 1
-    assert 0.0 <= json.loads((tmp_path / "rec" / "meta.json").read_text())["host_cpu_busy"] <= 1.0
+    meta = json.loads((tmp_path / "rec" / "meta.json").read_text())
+    assert 0.0 <= meta["host_cpu_busy"] <= 1.0
+    assert isinstance(meta["neighbours"], list)  # other processes' CPU, read from /proc
+
+
+def test_live_churn_cap_on_a_healthy_window_exits_three() -> None:
+    server = Replay({"/metrics": fixture_pair("churn", "server-0")})
+    envoy = Replay({"/stats": fixture_pair("churn", "envoy")})
+    with server.running() as s_url, envoy.running() as e_url:
+        out = doctor("--server", s_url, "--envoy-admin", e_url + "/stats", "--window", "0.2s",
+                     "--no-proc", "--no-probe")  # fmt: skip
+    assert out.returncode == 3, out.stderr + out.stdout
+    assert "verdict: healthy_with_risk (exit 3)" in out.stdout
+
+
+def test_live_vllm_server_over_sockets() -> None:
+    server = Replay({"/metrics": fixture_pair("vllm_overload", "server-0")})
+    with server.running() as url:
+        # --no-proc: a replayed window is not this host's; its CPU (a busy shared machine) is not
+        out = doctor("--server", url, "--window", "0.2s", "--sla", "2s", "--no-probe", "--no-proc",
+                     "--json")  # fmt: skip
+    assert out.returncode == 1, out.stderr + out.stdout
+    doc = json.loads(out.stdout)
+    assert doc["verdict"] == "overload"
+    assert any("no deadline prediction" in x for x in doc["not_evaluated"])
 
 
 def test_live_healthy_exits_zero() -> None:
-    server = Replay({"/metrics": fixture_pair("healthy", "server-0")})
+    # The replay packs 60 s of counters into a 0.2 s window: GC seconds would read as 70% of
+    # it. Healthy means no GC figures at all here; the GC rule has its own recorded window.
+    pages = ["\n".join(x for x in p.splitlines() if "tailguard_gc_pause" not in x) + "\n"
+             for p in fixture_pair("healthy", "server-0")]  # fmt: skip
+    server = Replay({"/metrics": pages})
     envoy = Replay({"/stats": fixture_pair("healthy", "envoy")})
     with server.running() as s_url, envoy.running() as e_url:
         out = doctor("--server", s_url, "--envoy-admin", e_url + "/stats", "--window", "0.2s")
     assert out.returncode == 0, out.stderr + out.stdout
-    assert "no cause found" in out.stdout
+    assert "no standing risk seen" in out.stdout
 
 
 def test_one_server_down_is_a_note_not_a_failure() -> None:
     server = Replay({"/metrics": fixture_pair("starvation", "server-0")})
     with server.running() as s_url:
         dead = f"http://127.0.0.1:{free_port()}"
-        out = doctor("--server", s_url, "--server", dead, "--window", "0.2s", "--host-cores", "2")
+        out = doctor("--server", s_url, "--server", dead, "--window", "0.2s", "--host-cores", "2",
+                     "--no-proc")  # fmt: skip
     assert out.returncode == 1, out.stderr + out.stdout
     assert "verdict: starvation" in out.stdout
     assert f"skipped {dead}/metrics" in out.stdout

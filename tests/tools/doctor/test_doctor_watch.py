@@ -14,8 +14,11 @@ from tests.tools.doctor.doctor_testkit import Replay
 from tailguard.tools.doctor.watch import (
     Watcher,
     _cpu_and_threads,
+    host_processes,
+    neighbours_between,
     pid_listening_on,
     process_tree,
+    runq_wait,
 )
 
 BUSY = "import threading\nx=0\nwhile True: x+=1\n"
@@ -63,3 +66,18 @@ async def test_watcher_probes_and_samples_a_local_server() -> None:
     assert all(0 < x < 1 for x in watch.probe_latencies)
     assert watch.proc is not None and watch.proc.pids[0] == os.getpid()
     assert watch.proc.samples >= 3 and watch.proc.threads_max >= 2  # the replay thread
+
+
+def test_neighbours_are_other_processes_busiest_first() -> None:
+    before = {1: (10.0, "server"), 2: (5.0, "load"), 3: (0.0, "hog"), 4: (1.0, "idle")}
+    after = {1: (14.0, "server"), 2: (7.0, "load"), 3: (3.0, "hog"), 4: (1.001, "idle"),
+             5: (0.5, "born in the window")}  # fmt: skip
+    got = neighbours_between(before, after, exclude={1}, window_s=2.0)
+    assert [(n.pid, n.cpu_cores) for n in got] == [(3, 1.5), (2, 1.0), (5, 0.25)]
+
+
+def test_runq_wait_and_host_processes_read_this_host() -> None:
+    procs = host_processes()
+    assert os.getpid() in procs and "pytest" in procs[os.getpid()][1]
+    waited = runq_wait([os.getpid()])
+    assert waited is None or waited >= 0.0

@@ -1,6 +1,7 @@
 """`tailguard doctor`: name the cause of a latency spike, with the numbers and the fix.
 
-Exit codes: 0 the window is healthy, 1 a cause was found, 2 nothing could be collected.
+Exit codes: 0 the SLA was met and no risk seen, 1 the SLA was missed (the cause is named, or
+`unexplained`), 2 nothing could be collected, 3 the SLA was met but risks were seen.
 """
 
 from __future__ import annotations
@@ -19,11 +20,9 @@ from tailguard.tools.doctor.collect import (
     load_recorded,
     with_load_report,
 )
+from tailguard.tools.doctor.diagnosis import EXIT_COLLECT, diagnose
 from tailguard.tools.doctor.report import render_json, render_text
-from tailguard.tools.doctor.rules import diagnose
 from tailguard.tools.doctor.snapshot import ParseError
-
-EXIT_HEALTHY, EXIT_CAUSE, EXIT_COLLECT = 0, 1, 2
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h)?\s*$")
 
@@ -100,4 +99,4 @@ def run(args: argparse.Namespace) -> int:
         print(render_json(diagnosis) if args.json else render_text(diagnosis), flush=True)
     except BrokenPipeError:  # `tailguard doctor ... | head`: the reader left; the verdict stands
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return EXIT_HEALTHY if diagnosis.exit_code == 0 else EXIT_CAUSE
+    return diagnosis.exit_code

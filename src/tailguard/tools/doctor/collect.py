@@ -39,11 +39,14 @@ from tailguard.tools.doctor.snapshot import (
     parse_prometheus_text,
 )
 from tailguard.tools.doctor.watch import (
+    Neighbour,
     ProcWindow,
     Watch,
     Watcher,
     host_busy_between,
     host_cpu_times,
+    host_processes,
+    neighbours_between,
 )
 
 
@@ -119,7 +122,7 @@ async def _prometheus_window(
 ) -> dict[str, tuple[Snapshot, Snapshot]]:
     step = max(1.0, end - start)
     params = {
-        "query": '{__name__=~"(tailguard|mistral)_.+"}',
+        "query": '{__name__=~"(tailguard|mistral)_.+|vllm:.+"}',
         "start": f"{start:.3f}",
         "end": f"{end:.3f}",
         "step": f"{step:.3f}",
@@ -147,6 +150,7 @@ class Collector:
         self._t0 = time.monotonic()
         self._watchers: dict[str, Watcher] = {}
         self._host0: tuple[float, float] | None = None
+        self._procs0: dict[int, tuple[float, str]] = {}
 
     def _session(self) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s))
@@ -175,6 +179,7 @@ class Collector:
             self._watchers[url] = w
         if any(w.local for w in self._watchers.values()):  # a server on this host: its CPU
             self._host0 = host_cpu_times()
+            self._procs0 = host_processes()
 
     async def finish(self) -> Observation:
         """Scrape the end of the window (or query Prometheus for it) and build the Observation."""
@@ -184,6 +189,11 @@ class Collector:
         prom: dict[str, tuple[Snapshot, Snapshot]] = {}
         watches = {url: await w.stop() for url, w in self._watchers.items()}
         host_busy = host_busy_between(self._host0, host_cpu_times()) if self._host0 else None
+        neighbours: tuple[Neighbour, ...] = ()
+        if self._procs0:
+            ours = {os.getpid()} | {p for w in watches.values() if w.proc for p in w.proc.pids}
+            span = time.monotonic() - self._t0
+            neighbours = neighbours_between(self._procs0, host_processes(), ours, span)
         async with self._session() as session:
             second = await _scrape(session, murls + eurls) if live else []
             window = time.monotonic() - self._t0 if live else cfg.window_s
@@ -215,7 +225,7 @@ class Collector:
         if not servers and envoy is None and load_reqs is None:
             raise CollectError("no source could be read: " + "; ".join(notes))
         if cfg.record_dir is not None:
-            _record(cfg, raw, murls, eurls, watches, window, host_busy)
+            _record(cfg, raw, murls, eurls, watches, window, host_busy, neighbours)
         obs = Observation(
             window_s=window,
             servers=tuple(servers),
@@ -225,6 +235,7 @@ class Collector:
             sla_override_s=cfg.sla_s,
             notes=tuple(notes),
             host_cpu_busy=host_busy,
+            neighbours=neighbours,
         )
         return obs if load_reqs is None else _with_load(obs, load_reqs)
 
@@ -255,6 +266,7 @@ def _record(
     watches: dict[str, Watch],
     window_s: float,
     host_busy: float | None,
+    neighbours: tuple[Neighbour, ...] = (),
 ) -> None:
     d = cfg.record_dir
     if d is None:
@@ -278,6 +290,7 @@ def _record(
         "window_s": window_s,
         "host_cores": cfg.host_cores or default_cores(),
         "host_cpu_busy": host_busy,
+        "neighbours": [plain(n) for n in neighbours],
         "sla_s": cfg.sla_s,
         "servers": murls,
     }
@@ -314,6 +327,7 @@ def load_recorded(d: Path, *, host_cores: int = 0, sla_s: float | None = None) -
         host_cores=host_cores or int(meta.get("host_cores") or default_cores()),
         sla_override_s=sla_s if sla_s is not None else meta.get("sla_s"),
         host_cpu_busy=meta.get("host_cpu_busy"),
+        neighbours=tuple(Neighbour(**n) for n in meta.get("neighbours", [])),
     )
     if (d / "requests.jsonl").is_file():
         obs = _with_load(obs, read_requests(d / "requests.jsonl"))

@@ -24,6 +24,7 @@ class LoadRequest:
     connect_s: float | None
     start_s: float | None = None  # when it was sent (run clock)
     end_s: float | None = None  # when its answer ended (run clock); None if it never did
+    retry_after: bool = False  # the answer carried Retry-After (a refusal that says when)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,13 @@ class LoadSummary:
     slow_from_connect: int  # slow requests within the SLA but for their connect time
     mean_connect_s: float  # mean connect time of new connections (TCP + TLS), 0 if none
     peak_in_flight: int = 0  # most requests outstanding at once (connections they needed)
+    retry_after: int = 0  # refusals that carried Retry-After
+    sending_s: float = 0.0  # first send -> last send (run clock); 0 when unknown
+
+    @property
+    def offered_rps(self) -> float:
+        """Requests offered per second over the sending period (0 when unknown)."""
+        return self.requests / self.sending_s if self.sending_s > 0 else 0.0
 
     @property
     def new_cx_per_request(self) -> float:
@@ -97,6 +105,7 @@ def read_requests(path: Path) -> list[LoadRequest]:
                 connect_s=float(cs) if isinstance(cs, int | float) else None,
                 start_s=float(start) if isinstance(start, int | float) else None,
                 end_s=float(end) if end is not None else None,
+                retry_after=isinstance(r.get("retry_after_s"), int | float),
             )
         )
     return out
@@ -158,4 +167,14 @@ def summarize(reqs: list[LoadRequest], sla_s: float) -> LoadSummary:
         ),
         mean_connect_s=sum(connects) / len(connects) if connects else 0.0,
         peak_in_flight=peak_in_flight(reqs),
+        retry_after=sum(1 for r in refused if r.retry_after),
+        sending_s=_sending_s(reqs),
     )
+
+
+def _sending_s(reqs: list[LoadRequest]) -> float:
+    starts = [r.start_s for r in reqs if r.start_s is not None]
+    if len(starts) < 2:
+        return 0.0
+    # n sends at a steady rate span (n - 1) intervals: scale to n for a rate of n / time
+    return (max(starts) - min(starts)) * len(starts) / (len(starts) - 1)

@@ -14,7 +14,8 @@ from tailguard.core.stats import AllocatorStats, EngineStats
 from tailguard.tools.doctor import thresholds as T
 from tailguard.tools.doctor.loadreport import LoadSummary
 from tailguard.tools.doctor.snapshot import Histogram, Snapshot, counter_delta, histogram_delta
-from tailguard.tools.doctor.watch import Watch
+from tailguard.tools.doctor.vllm import is_vllm, translate
+from tailguard.tools.doctor.watch import Neighbour, Watch
 
 LATENCY = "mistral_inference_latency_seconds"
 
@@ -29,6 +30,18 @@ class ServerWindow:
     engine_before: EngineStats | None = None  # recorded EngineStats, when available
     engine_after: EngineStats | None = None
     watch: Watch | None = None  # the doctor's own probe and /proc samples (live runs only)
+
+    def __post_init__(self) -> None:
+        # A vLLM scrape gets tailguard-named copies of its series, so the rules read one set.
+        object.__setattr__(self, "before", translate(self.before))
+        object.__setattr__(self, "after", translate(self.after))
+
+    @property
+    def kind(self) -> str:
+        """Which server this is, from its metric names: tailguard, vllm or other."""
+        if is_vllm(self.after):
+            return "vllm"
+        return "tailguard" if self.after.has("tailguard_sla_seconds") else "other"
 
     @property
     def host(self) -> str:
@@ -125,6 +138,7 @@ class Observation:
     sla_override_s: float | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)  # collection remarks (partial scrapes)
     host_cpu_busy: float | None = None  # whole host, all processes (/proc/stat); live local runs
+    neighbours: tuple[Neighbour, ...] = ()  # busiest processes on the host that are no server
 
     @property
     def sla_s(self) -> float:
@@ -151,6 +165,8 @@ class Symptom:
     server_p50_upper_s: float  # "p50 <= this" (bucket upper bound)
     server_p99_upper_s: float
     client: LoadSummary | None
+    server_refused: int = 0  # refused by admission (overloaded, expired, answered from cache)
+    server_refused_share: float = 0.0  # of every request the servers answered or refused
 
     @property
     def within_sla(self) -> float:
@@ -171,10 +187,52 @@ class Symptom:
     def tail(self) -> bool:
         return self.enough_traffic and self.within_sla < T.SLA_TARGET_SHARE
 
+    @property
+    def refused_share(self) -> float:
+        """The larger of the servers' and the client's refused share."""
+        client = (
+            self.client.refused / self.client.requests
+            if self.client and self.client.requests
+            else 0.0
+        )
+        return max(self.server_refused_share, client)
+
+    @property
+    def refusing(self) -> bool:
+        return self.enough_traffic and self.refused_share > T.REJECT_SHARE
+
+    @property
+    def missed(self) -> bool:
+        """The SLA was missed: a tail (server or client), or work refused (shed load)."""
+        return self.tail or self.refusing
+
+    @property
+    def how_missed(self) -> str:
+        parts = []
+        if self.tail:
+            parts.append(f"{self.within_sla:.1%} within SLA (target {T.SLA_TARGET_SHARE:.0%})")
+        if self.refusing:
+            parts.append(f"{self.refused_share:.1%} of requests refused")
+        return " and ".join(parts) if parts else "met"
+
+
+def refused(sw: ServerWindow) -> float:
+    """Requests a server refused in the window: admission said no (overloaded), the deadline
+    passed in its queue (expired), or the degradation cache answered instead (shed, politely)."""
+    return (
+        sw.delta("tailguard_rejections_total", reason="overloaded")
+        + sw.delta("tailguard_rejections_total", reason="expired")
+        + sw.delta("tailguard_cache_hits_total", reason="overload")
+    )
+
 
 def symptom(obs: Observation) -> Symptom:
     lat = merge_histograms([sw.hist(LATENCY, outcome="ok") for sw in obs.servers])
     sla = obs.sla_s
+    shed = sum(refused(sw) for sw in obs.servers)
+    # requests_total counts every answer, refusals included; the ok histogram is the floor
+    seen = sum(max(sw.delta("tailguard_requests_total"), sw.hist(LATENCY).count + refused(sw))
+               for sw in obs.servers)  # fmt: skip
     return Symptom(
         sla_s=sla,
         server_requests=int(lat.count),
@@ -182,4 +240,6 @@ def symptom(obs: Observation) -> Symptom:
         server_p50_upper_s=lat.quantile_upper(0.50),
         server_p99_upper_s=lat.quantile_upper(0.99),
         client=obs.load,
+        server_refused=int(shed),
+        server_refused_share=shed / seen if seen > 0 else 0.0,
     )

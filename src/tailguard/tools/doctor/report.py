@@ -9,7 +9,8 @@ import math
 from typing import Any
 
 from tailguard.tools.doctor import thresholds as T
-from tailguard.tools.doctor.rules import Diagnosis, Evidence, Finding
+from tailguard.tools.doctor.diagnosis import Diagnosis
+from tailguard.tools.doctor.finding import Evidence, Finding
 
 
 def _ms(s: float) -> str:
@@ -23,7 +24,7 @@ def _level(conf: float) -> str:
 
 
 def _evidence_line(e: Evidence) -> str:
-    mark = "[x]" if e.fired else "[ ]"
+    mark = ("[!]" if e.risk else "[x]") if e.fired else "[ ]"
     thr = "" if e.threshold is None else f"  (threshold {e.threshold:g})"
     where = f"  @ {e.where}" if e.where else ""
     value = "n/a" if e.value == -1.0 else f"{e.value:.4g}{e.unit}"
@@ -63,22 +64,33 @@ def render_text(d: Diagnosis) -> str:
         out.append(f"(fewer than {T.MIN_REQUESTS} requests in the window: shares are not judged)")
     out += [f"note: {n}" for n in d.collection_notes]
     out.append("")
-    if d.causes:
-        out.append("causes, most likely first:")
+    if not s.missed:
+        out.append("the window met its SLA: no cause is named"
+                   + (" (risks below)" if d.risks else "; no standing risk seen"))  # fmt: skip
+    elif d.causes:
+        out.append(f"SLA missed ({s.how_missed}); causes, most likely first:")
         for i, f in enumerate(d.causes, 1):
             out += _finding(i, f)
-    elif s.tail:
-        out.append(
-            f"a tail ({s.within_sla:.1%} within SLA) that no rule explains: the evidence of all "
-            "four causes is below its bar. Look outside these processes: other load on the "
-            "host (CPU steal, noisy neighbours), the network, the client itself."
-        )
     else:
-        out.append("no cause found: the window is healthy (no tail; every rule below its bar)")
+        out.append(
+            f"SLA missed ({s.how_missed}) and no rule explains it: every rule's evidence is "
+            "below its bar. Look outside these processes: CPU steal, the network, the client."
+        )
+    if d.risks:
+        out.append("")
+        out.append("risks (standing hazards, each with its fix; [!] marks the signal):")
+        for f in d.risks:
+            out.append(f"   {f.cause.value}: {f.title}: "
+                       + "; ".join(f"{e.what} {e.value:.3g}{e.unit}" for e in f.risks))  # fmt: skip
+            out += [f"     - fix: {x}" for x in f.fix[:2]]
     out.append("")
     out.append("looked at and not named:")
     for f in d.notes:
         out.append(f"   {f.cause.value} ({f.confidence:.2f}): {f.summary}")
+    if d.not_evaluated:
+        out.append("")
+        out.append("could not evaluate (the evidence is not exported):")
+        out += [f"   {x}" for x in d.not_evaluated]
     out.append("")
     out.append(f"verdict: {d.verdict.value} (exit {d.exit_code})")
     return "\n".join(out)
@@ -103,9 +115,17 @@ def to_json(d: Diagnosis) -> dict[str, Any]:
         "verdict": d.verdict.value,
         "exit_code": d.exit_code,
         "window_s": d.window_s,
-        "symptom": {**plain(s), "tail": s.tail, "within_sla": s.within_sla},
+        "symptom": {
+            **plain(s),
+            "tail": s.tail,
+            "within_sla": s.within_sla,
+            "missed": s.missed,
+            "refused_share": s.refused_share,
+        },
         "causes": [{**plain(f), "is_cause": True} for f in d.causes],
+        "risks": [{**plain(f), "is_cause": False} for f in d.risks],
         "notes": [{**plain(f), "is_cause": False} for f in d.notes],
+        "not_evaluated": list(d.not_evaluated),
         "collection_notes": list(d.collection_notes),
     }
 

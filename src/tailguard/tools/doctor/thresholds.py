@@ -56,6 +56,9 @@ have batched them if the budget allowed, so it is at capacity (token-bound batch
 # --- plain overload ----------------------------------------------------------------------------
 REJECT_SHARE = 0.01
 """Over 1% of requests refused (overloaded/expired/503/429): demand exceeds what is admitted."""
+OFFERED_OVER_CAPACITY = 1.5
+"""Offered rate 1.5x the measured capacity with a saturated engine and a growing queue: demand
+explains the queue whatever else slowed the engine, so overload is ranked first."""
 WAITING_MIN = 8
 """A waiting queue under 8 is scheduling jitter, not a backlog."""
 
@@ -68,6 +71,49 @@ MAX_REQUESTS_HIT_MIN = 1
 """A per-connection request cap being hit at all means connections are closed on purpose."""
 SLOW_NEW_CX_MIN = 5
 """At least 5 requests that connection set-up alone pushed over the SLA (one or two are noise)."""
+
+# --- noisy neighbour ---------------------------------------------------------------------------
+NEIGHBOUR_CPU_SHARE = 0.40
+"""Processes that are not the servers using over 40% of the host's cores: with the servers'
+own work on top the cores are contended (2 cores: 0.8 of a core taken by others)."""
+RUNQ_WAIT_SHARE = 0.10
+"""The servers' threads waiting for a core over 0.1 s per second (schedstat): every request's
+compute and every event-loop turn is delayed that much by whoever holds the cores."""
+
+# --- GC pauses ------------------------------------------------------------------------------------
+GC_MISS_SHARE = 0.02
+"""GC pauses over 2% of wall time while the SLA is missed: with pauses of 10-100 ms that is
+one stop every second or so, enough to push the slowest 1% past a 150 ms budget."""
+
+# --- KV-pool exhaustion -------------------------------------------------------------------------
+PREEMPT_PER_REQUEST = 0.01
+"""Preemptions (sequences evicted and recomputed for KV space) on over 1% of requests: each one
+repeats a prefill and stalls its request; a pool sized for the load preempts ~never."""
+KV_USAGE_FULL = 0.95
+"""KV usage at 95%+ of the pool at a window end: the next long prompt preempts someone."""
+
+# --- prefill-heavy traffic ------------------------------------------------------------------------
+PREFILL_TOKENS_PER_SEQ = 256.0
+"""Tokens per sequence per step (batch tokens / batch sequences) over 256: steps are long
+prompts (a decode step is 1 token per sequence; a short single-pass request is its prompt, tens
+of tokens), so every request behind them waits a whole step per chunk."""
+PREFILL_STEP_SLA_FRACTION = 0.25
+"""Mean engine step over a quarter of the SLA: four steps (queue, prefill, decode) exhaust it."""
+PROMPT_TOKENS_LONG = 1024.0
+"""vLLM: mean prompt over 1024 tokens and prompts over 8x the generated tokens: the traffic is
+prefill-bound."""
+
+# --- admission mis-calibration -------------------------------------------------------------------
+PREDICTION_LATE_SHARE = 0.05
+"""Over 5% of admitted requests later than admission planned (prediction ratio > 1): the cost
+model is optimistic, so admitted work misses its deadline instead of being refused."""
+PREDICTION_HELD_MIN = 0.5
+"""Ratio under 0.5 for most admitted requests while refusing: admission plans twice the time
+work takes and refuses requests that would have made it."""
+
+CX_CLOSED_MIN = 10
+"""Per-request connection rates count only with 10+ connections closed in the window: a client
+that finished and closed its few pooled connections is not churn."""
 
 # --- confidence ----------------------------------------------------------------------------------
 CAUSE_MIN_CONFIDENCE = 0.5

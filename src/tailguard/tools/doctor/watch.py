@@ -35,6 +35,7 @@ class ProcWindow:
     runnable_mean: float  # mean number of threads in state R (running or waiting for a core)
     threads_max: int  # most threads seen at once
     samples: int
+    runq_wait_s: float = -1.0  # seconds the tree's threads waited for a core (schedstat); -1: n/a
 
 
 @dataclass
@@ -124,6 +125,66 @@ def _cpu_and_threads(pids: list[int]) -> tuple[float, int, int]:
     return cpu, threads, runnable
 
 
+def runq_wait(pids: list[int]) -> float | None:
+    """Seconds the processes' threads spent runnable but waiting for a core, so far
+    (`/proc/PID/task/TID/schedstat`, field 2, ns); None when the kernel does not report it."""
+    total, seen = 0.0, False
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    total += int((task / "schedstat").read_text().split()[1]) / 1e9
+                    seen = True
+    return total if seen else None
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    """A process on the servers' host that is not one of them, and the CPU it used."""
+
+    pid: int
+    name: str  # its command line (shortened)
+    cpu_cores: float  # CPU seconds in the window / window seconds
+
+
+def host_processes() -> dict[int, tuple[float, str]]:
+    """Every process on this host: pid -> (CPU seconds so far, command line)."""
+    out: dict[int, tuple[float, str]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        f = _stat(proc.name)
+        if f is None:
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            cmd = ""
+        out[int(proc.name)] = ((int(f[11]) + int(f[12])) / _TICK, cmd.strip()[:80])
+    return out
+
+
+def neighbours_between(
+    a: dict[int, tuple[float, str]],
+    b: dict[int, tuple[float, str]],
+    exclude: set[int],
+    window_s: float,
+    top: int = 50,
+) -> tuple[Neighbour, ...]:
+    """The processes outside `exclude` that used CPU (1% of a core or more) between two
+    host_processes(), busiest first (at most `top`: a bounded record)."""
+    used = []
+    for pid, (cpu1, name) in b.items():
+        if pid in exclude:
+            continue
+        cpu0 = a.get(pid, (0.0, ""))[0]  # born inside the window: all its CPU is the window's
+        share = max(0.0, cpu1 - cpu0) / max(window_s, 1e-9)
+        if share >= 0.01:
+            used.append(Neighbour(pid, name or f"pid {pid}", round(share, 4)))
+    used.sort(key=lambda n: n.cpu_cores, reverse=True)
+    return tuple(used[:top])
+
+
 def host_cpu_times() -> tuple[float, float] | None:
     """(busy, total) jiffies of the whole host from /proc/stat; None off Linux."""
     try:
@@ -177,6 +238,7 @@ class Watcher:
         self._session: aiohttp.ClientSession | None = None
         self._pids: list[int] = []
         self._cpu0 = 0.0
+        self._wait0: float | None = None
         self._samples: list[tuple[int, int]] = []
         self._probe = probe
 
@@ -197,6 +259,7 @@ class Watcher:
         if pid is not None:
             self._pids = process_tree(pid)
             self._cpu0 = _cpu_and_threads(self._pids)[0]
+            self._wait0 = runq_wait(self._pids)
             self._tasks.append(asyncio.create_task(_sample(self._pids, self._samples)))
 
     async def stop(self) -> Watch:
@@ -209,11 +272,14 @@ class Watcher:
             await self._session.close()
         if self._pids and self._samples:
             cpu1 = _cpu_and_threads(self._pids)[0]
+            wait1 = runq_wait(self._pids)
+            waited = -1.0 if wait1 is None or self._wait0 is None else wait1 - self._wait0
             self.watch.proc = ProcWindow(
                 pids=tuple(self._pids),
                 cpu_s=max(0.0, cpu1 - self._cpu0),
                 runnable_mean=sum(r for _, r in self._samples) / len(self._samples),
                 threads_max=max(t for t, _ in self._samples),
                 samples=len(self._samples),
+                runq_wait_s=max(-1.0, waited),
             )
         return self.watch

@@ -1,5 +1,5 @@
-"""`tailguard lab SCENARIO|all`: reproduce each cause of a spike, run the same load against the
-broken and the fixed setup, and run the doctor on both.
+"""`tailguard lab SCENARIO|all|random`: reproduce each cause of a spike, run the same load against
+the broken and the fixed setup, and run the doctor on both; or draw causes and parameters.
 
 Exit codes: 0 every scenario that could run met the bar (scenarios that need a GPU are skipped
 on CPU), 1 one did not, 2 nothing could run.
@@ -13,8 +13,15 @@ import signal
 import sys
 from pathlib import Path
 
+from tailguard.tools.lab.random_lab import draw, matrix, score, score_line
 from tailguard.tools.lab.report import acceptance, confusion_matrix, side_by_side
-from tailguard.tools.lab.runner import LabConfig, SideResult, results_json, run_scenarios
+from tailguard.tools.lab.runner import (
+    LabConfig,
+    SideResult,
+    results_json,
+    run_scenarios,
+    run_side,
+)
 from tailguard.tools.lab.scenarios import SCENARIOS, Scenario
 
 ORDER = ("churn", "starvation", "overload", "fragmentation", "healthy")
@@ -22,7 +29,19 @@ ORDER = ("churn", "starvation", "overload", "fragmentation", "healthy")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.splitlines()[0] if __doc__ else None
-    p.add_argument("scenario", choices=[*ORDER, "all"], help="which cause to reproduce")
+    p.add_argument(
+        "scenario",
+        choices=[*ORDER, "all", "random"],
+        help="which cause to reproduce; random: drawn causes and parameters",
+    )
+    p.add_argument("--runs", type=int, default=30, help="random: number of drawn runs (30)")
+    p.add_argument("--seed", type=int, default=1, help="random: the draw's seed (1)")
+    p.add_argument(
+        "--kinds",
+        default="",
+        metavar="K,K,...",
+        help="random: draw only these kinds (default: all; see --list)",
+    )
     p.add_argument("--repeat", type=int, default=1, help="runs of every side (default 1)")
     p.add_argument(
         "--out",
@@ -59,7 +78,67 @@ def describe(scenarios: list[Scenario]) -> str:
     return "\n".join(lines)
 
 
+def _on_term(signum: int, frame: object) -> None:
+    # SIGTERM unwinds like Ctrl-C, so every `launch` stops the processes it started.
+    raise KeyboardInterrupt
+
+
+def run_random(args: argparse.Namespace, cfg: LabConfig) -> int:
+    if args.runs < 1:
+        print(f"tailguard lab: --runs {args.runs}: must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        cases = draw(args.runs, args.seed, tuple(k for k in args.kinds.split(",") if k))
+    except ValueError as e:
+        print(f"tailguard lab: {e}", file=sys.stderr)
+        return 2
+    print(f"lab random: {args.runs} runs, seed {args.seed}", flush=True)
+
+    async def all_runs() -> list[SideResult]:
+        out = []
+        for case in cases:
+            scn = case.scenario()
+            r = await run_side(scn, scn.sides[0], 1, cfg)
+            out.append(r)
+            truth = "void" if r.truth is None else r.truth.value
+            said = r.error or (r.verdict.value if r.verdict else "?")
+            mark = "ok " if r.correct else "BAD"
+            print(f"  {mark} {case.describe()}: should say {truth}, said {said}", flush=True)
+            await asyncio.sleep(cfg.gap_s)
+        return out
+
+    signal.signal(signal.SIGTERM, _on_term)
+    try:
+        results = asyncio.run(all_runs())
+    except KeyboardInterrupt:
+        print("tailguard lab: interrupted; the processes it started were stopped", file=sys.stderr)
+        return 2
+    print()
+    print(side_by_side(results))
+    print()
+    print(matrix(results))
+    s = score(results)
+    print()
+    print(score_line(s))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(results_json(results) + "\n")
+    if s.judged == 0:
+        print("nothing could run")
+        return 2
+    print("acceptance: " + ("met" if s.passed else "NOT met"))
+    return 0 if s.passed else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.scenario == "random":
+        try:
+            cfg = LabConfig(out=args.out, scale=args.scale, host_cores=args.host_cores,
+                            gap_s=args.gap)  # fmt: skip
+        except ValueError as e:
+            print(f"tailguard lab: {e}", file=sys.stderr)
+            return 2
+        return run_random(args, cfg)
     names = list(ORDER) if args.scenario == "all" else [args.scenario]
     scenarios = [SCENARIOS[n] for n in names]
     if args.list:
@@ -83,11 +162,7 @@ def run(args: argparse.Namespace) -> int:
         what = r.error or f"doctor: {r.verdict.value if r.verdict else '?'}"
         print(f"  {r.scenario}/{r.side} run {r.run}: {what}", flush=True)
 
-    def on_term(signum: int, frame: object) -> None:
-        # SIGTERM unwinds like Ctrl-C, so every `launch` stops the processes it started.
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, _on_term)
     try:
         results = asyncio.run(run_scenarios(scenarios, cfg, progress))
     except KeyboardInterrupt:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from tailguard.tools.doctor.rules import Cause
+from tailguard.tools.doctor.finding import Cause
 from tailguard.tools.lab.runner import SideResult
 from tailguard.tools.lab.scenarios import Scenario
 
@@ -47,7 +47,7 @@ def confusion_matrix(results: list[SideResult]) -> str:
     """Rows: scenario/side with the cause it should get; columns: what the doctor named."""
     rows: dict[tuple[str, str, Cause], Counter[str]] = {}
     for r in results:
-        key = (r.scenario, r.side, r.expected)
+        key = (r.scenario, r.side, r.truth if r.truth is not None else r.expected)
         cell = "not run" if r.verdict is None else r.verdict.value
         rows.setdefault(key, Counter())[cell] += 1
     cols = [c.value for c in COLUMNS] + ["not run"]
@@ -90,11 +90,13 @@ def acceptance(results: list[SideResult], scenarios: list[Scenario]) -> Acceptan
         bar = ACCEPT_SHARE if expected is not Cause.NONE else 1.0
         if right < bar * len(done):
             named = Counter(r.verdict.value for r in done if r.verdict is not None)
+            void = sum(r.truth is None for r in done)
             failures.append(
                 f"{scn_name}/{side_name}: expected {expected.value} in "
-                f"{right}/{len(done)} runs (named: {dict(named)})"
+                f"{right}/{len(done)} runs (named: {dict(named)}"
+                + (f"; {void} void: nothing injected, yet the SLA was missed)" if void else ")")
             )
-        if expected is Cause.NONE:
+        if expected is Cause.NONE or side_name == "fixed":
             scn = by_scn.get(scn_name)
             side = next((x for x in scn.sides if x.name == side_name), None) if scn else None
             allowed = side.max_refused if side else 0.01

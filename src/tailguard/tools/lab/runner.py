@@ -13,11 +13,15 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
+import aiohttp
+
+from tailguard.tools.doctor import thresholds as T
 from tailguard.tools.doctor.collect import (
     CollectConfig,
     CollectError,
@@ -25,15 +29,16 @@ from tailguard.tools.doctor.collect import (
     default_cores,
     with_load_report,
 )
+from tailguard.tools.doctor.diagnosis import diagnose
+from tailguard.tools.doctor.finding import Cause
 from tailguard.tools.doctor.loadreport import LoadSummary
 from tailguard.tools.doctor.report import plain, render_json, render_text
-from tailguard.tools.doctor.rules import Cause, diagnose
-from tailguard.tools.doctor.snapshot import ParseError
-from tailguard.tools.lab.procs import LabError, has_cuda
+from tailguard.tools.doctor.snapshot import ParseError, parse_prometheus_text
+from tailguard.tools.lab.procs import LabError, Proc, has_cuda, start, stop
 from tailguard.tools.lab.scenarios import Scenario, Side
 from tailguard.tools.lab.setups import launch
 
-LOAD_STARTUP_S = 2.0  # `tailguard load` imports and connects before its first send
+LOAD_STARTUP_S = 20.0  # most `tailguard load` may take to import and send (a host full of hogs)
 
 
 @dataclass(frozen=True)
@@ -69,13 +74,40 @@ class SideResult:
     skipped: bool = False  # True: allowed not to run here (CUDA-only on a CPU machine)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
+    standing_risk: bool = False  # the injection is a hazard even when the SLA holds
+
+    @property
+    def truth(self) -> Cause | None:
+        """What the doctor should say (expected_verdict); None: a void run."""
+        return expected_verdict(self.expected, self.standing_risk, self.tails)
+
     @property
     def correct(self) -> bool:
-        return self.verdict is self.expected
+        return self.verdict is not None and self.verdict is self.truth
+
+
+def sla_missed(t: LoadSummary | None) -> bool:
+    """The client's view of the window (the ground truth the lab judges by): under 99% within
+    the SLA, or over 1% refused."""
+    if t is None or t.requests < T.MIN_REQUESTS:
+        return False
+    return t.within_sla < T.SLA_TARGET_SHARE or t.refused / t.requests > T.REJECT_SHARE
+
+
+def expected_verdict(
+    injected: Cause, standing_risk: bool, tails: LoadSummary | None
+) -> Cause | None:
+    """The injected cause when the client saw the SLA missed; otherwise healthy with risk (an
+    injection that is a standing hazard, e.g. a per-connection cap) or healthy. None (void):
+    nothing was injected and yet the client saw a miss - the shared machine's own noise."""
+    if sla_missed(tails):
+        return None if injected is Cause.NONE else injected
+    return Cause.RISK if standing_risk else Cause.NONE
 
 
 async def run_side(scn: Scenario, side: Side, run: int, cfg: LabConfig) -> SideResult:
-    base = SideResult(scn.name, side.name, side.setup.describe(), side.expected, run)
+    base = SideResult(scn.name, side.name, side.setup.describe(), side.expected, run,
+                      standing_risk=side.standing_risk)  # fmt: skip
     if scn.needs_cuda and not has_cuda():
         return _replace(
             base, error="needs a CUDA GPU (none on this machine); skipped", skipped=True
@@ -103,17 +135,23 @@ async def run_side(scn: Scenario, side: Side, run: int, cfg: LabConfig) -> SideR
                     record_dir=d / "window",  # re-read with `tailguard doctor --from-dir`
                 )
             )
-            await collector.start()
-            load_args = scn.load.args(r.target_url, str(d / "load"), cfg.scale)
-            with (d / "load.log").open("wb") as log:
-                proc = await _start_load(load_args, log, r.client_env)
-                # sending is over after duration + start-up; responses may still be draining
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        asyncio.shield(proc.wait()), scn.load.duration_s + LOAD_STARTUP_S
-                    )
-                obs = await collector.finish()
-                load_exit = await proc.wait()
+            with hogging(side.hogs, d / "hogs.log"):
+                await collector.start()
+                watch = AnswerWatch(r.server_url)
+                watch.baseline = await watch.answers()
+                load_args = scn.load.args(r.target_url, str(d / "load"), cfg.scale)
+                with (d / "load.log").open("wb") as log:
+                    proc = await _start_load(load_args, log, r.client_env)
+                    # Sending is over `duration` after the first answer (the client's start-up
+                    # takes seconds on a busy host); responses may still drain after it.
+                    try:
+                        await watch.first_answer(LOAD_STARTUP_S)
+                    finally:
+                        await watch.session.close()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(proc.wait()), scn.load.duration_s)
+                    obs = await collector.finish()
+                    load_exit = await proc.wait()
     except (LabError, CollectError, ParseError, OSError, ValueError) as e:
         return _replace(base, error=f"{type(e).__name__}: {e}")
     if not (d / "load" / "requests.jsonl").is_file():
@@ -136,6 +174,54 @@ async def run_side(scn: Scenario, side: Side, run: int, cfg: LabConfig) -> SideR
         load_exit=load_exit,
         notes=tuple(notes) + diagnosis.collection_notes,
     )
+
+
+class AnswerWatch:
+    """Polls the server's answered-request count on one kept-alive connection (a poll that
+    opened a connection each time would itself look like churn to the doctor)."""
+
+    def __init__(self, server_url: str) -> None:
+        self.url = server_url + "/metrics"
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=5), connector=aiohttp.TCPConnector(limit=1)
+        )
+        self.baseline = -1.0
+
+    async def answers(self) -> float:
+        """Requests answered so far (the latency histogram's count, every outcome); -1 when
+        /metrics cannot be read."""
+        try:
+            async with self.session.get(self.url) as resp:
+                snap = parse_prometheus_text(await resp.text())
+        except (aiohttp.ClientError, TimeoutError, ParseError):
+            return -1.0
+        return snap.get("mistral_inference_latency_seconds_count")
+
+    async def first_answer(self, timeout_s: float) -> None:
+        """Wait (every 0.1 s, at most `timeout_s`) until the server answered more than at the
+        baseline: the load is sending."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            n = await self.answers()
+            if n < 0 or n > self.baseline:
+                return
+            await asyncio.sleep(0.1)
+
+
+HOG = "import time\nwhile True: time.perf_counter()"  # a CPU-bound neighbour, nothing else
+
+
+@contextlib.contextmanager
+def hogging(n: int, log: Path) -> Iterator[list[Proc]]:
+    """`n` CPU-bound processes next to the server for the block (stopped by their pids)."""
+    hogs: list[Proc] = []
+    try:
+        for i in range(n):
+            hogs.append(start(f"hog-{i}", [sys.executable, "-c", HOG], log))
+        yield hogs
+    finally:
+        for h in hogs:
+            stop(h, timeout_s=2.0)
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:

@@ -26,6 +26,7 @@ from tailguard.tools.lab.procs import (
 )
 
 NAIVE_MODULE = "tailguard.tools.lab.naive_server"
+GC_MODULE = "tailguard.tools.lab.gc_pressure"
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,18 @@ class TailguardServer:
     # The load repeats one prompt: under pressure the degradation cache would answer from
     # memory and hide what the engine and admission control do, so the lab turns it off.
     cache: bool = False
+    # (objects kept alive, seconds between full collections): run under gc_pressure.py
+    gc_pressure: tuple[int, float] | None = None
 
     def command(self, port: int) -> list[str]:
         no_cache = [] if self.cache else ["--cache-max-entries", "0"]
         serve = ["serve", "--host", "127.0.0.1", "--port", str(port), "--engine", self.engine]
-        return [sys.executable, "-m", "tailguard.cli", *serve, *no_cache, *self.flags]
+        head = [sys.executable, "-m", "tailguard.cli"]
+        if self.gc_pressure is not None:
+            objects, interval = self.gc_pressure
+            head = [sys.executable, "-m", GC_MODULE, "--objects", str(objects),
+                    "--interval-s", f"{interval:g}", "--"]  # fmt: skip
+        return [*head, *serve, *no_cache, *self.flags]
 
     ready_path = "/ready"
     label = "tailguard"
@@ -91,6 +99,8 @@ class Setup:
         words = [srv.label]
         if isinstance(srv, TailguardServer):
             words.append(f"({srv.engine})")
+            if srv.gc_pressure is not None:
+                words.append(f"gc {srv.gc_pressure[0]} objects every {srv.gc_pressure[1]:g}s")
         words += srv.flags
         if self.envoy:
             words[:0] = [self.envoy.label, "->"]
