@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tests.core.factories import fake_results, make_request, make_scheduler
 
-from tailguard.core.request import FinishReason, Priority, RequestKind
-from tailguard.core.scheduler import Scheduler
+from tailguard.core.request import EngineError, FinishReason, Priority, RequestKind
+from tailguard.core.scheduler import Scheduler, SeqResult
 
 
 def run_to_completion(sched: Scheduler, now: float = 0.0, max_steps: int = 1000) -> dict:
@@ -134,7 +134,7 @@ def test_request_over_context_is_refused_with_both_numbers() -> None:
     sched.add(make_request("big", prompt_len=30, max_tokens=10))
     out = sched.schedule(0.0)
     (o,) = out.finished
-    assert o.finish_reason == FinishReason.ERROR
+    assert (o.finish_reason, o.error_code) == (FinishReason.ERROR, EngineError.INVALID)
     assert o.error is not None and "30" in o.error and "32" in o.error
 
 
@@ -144,3 +144,20 @@ def test_budget_limits_sequences_and_tokens() -> None:
         sched.add(make_request(f"r{i}", prompt_len=8))
     out = sched.schedule(0.0)
     assert len(out.scheduled) <= 3 and out.num_tokens <= 20
+
+
+def test_request_larger_than_the_kv_pool_fails_as_out_of_memory() -> None:
+    sched = make_scheduler(num_blocks=5, block_size=4)  # 4 usable blocks: 16 tokens
+    sched.add(make_request("huge", prompt_len=20, max_tokens=4))
+    (o,) = sched.schedule(0.0).finished
+    assert (o.finish_reason, o.error_code) == (FinishReason.ERROR, EngineError.OUT_OF_MEMORY)
+    assert o.error is not None and "KV blocks" in o.error
+
+
+def test_runner_failure_alone_is_reported_as_out_of_memory() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a", prompt_len=8))
+    out = sched.schedule(0.0)
+    (o,) = sched.update(out, [SeqResult(error="no room for the activations")], 0.0)
+    assert (o.finish_reason, o.error_code) == (FinishReason.ERROR, EngineError.OUT_OF_MEMORY)
+    assert o.error == "no room for the activations" and sched.pool.num_used == 0

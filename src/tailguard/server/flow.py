@@ -18,17 +18,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import orjson
 
-from tailguard.core.request import EngineOutput, EngineRequest, FinishReason, Priority, RequestKind
+from tailguard.core.request import EngineOutput, EngineRequest, Priority, RequestKind
 from tailguard.errors import (
     ContextLengthError,
-    DeadlineExpiredError,
-    EngineUnavailableError,
     InvalidRequestError,
     NotFoundError,
     OutOfMemoryRequestError,
     OverloadedError,
-    TailguardError,
 )
+from tailguard.server.errors import engine_error
 
 if TYPE_CHECKING:
     from tailguard.core.admission import AdmissionController, Decision
@@ -245,18 +243,9 @@ def admit(
 
 def raise_for(out: EngineOutput) -> None:
     """Turn a failed final output into the error the client gets."""
-    if out.finish_reason == FinishReason.EXPIRED:
-        raise DeadlineExpiredError(
-            "the request waited past its deadline and was never executed; retry later or "
-            "allow a longer deadline (X-Request-Timeout-Ms)"
-        )
-    if out.finish_reason == FinishReason.ABORTED:
-        raise EngineUnavailableError("the engine aborted the request (shutting down?); retry")
-    if out.finish_reason == FinishReason.ERROR:
-        msg = out.error or "engine error"
-        if "memory" in msg.lower():
-            raise OutOfMemoryRequestError(msg)
-        raise TailguardError(msg)
+    err = engine_error(out)
+    if err is not None:
+        raise err
 
 
 async def outputs(app: App, call: Call, adm: Admitted) -> AsyncGenerator[EngineOutput, None]:
@@ -268,11 +257,7 @@ async def outputs(app: App, call: Call, adm: Admitted) -> AsyncGenerator[EngineO
     agen = app.engine.submit(adm.request)
     try:
         async for out in agen:
-            if out.finish_reason is not None and out.finish_reason not in (
-                FinishReason.STOP,
-                FinishReason.LENGTH,
-                FinishReason.DONE,
-            ):
+            if out.finished:
                 raise_for(out)
             if out.finished:
                 adm.release()  # before the yield: a consumer may stop at the final output
@@ -290,8 +275,7 @@ async def single(app: App, call: Call, adm: Admitted) -> EngineOutput:
         out = await app.engine.run(adm.request)
     finally:
         adm.release()
-    if out.finish_reason != FinishReason.DONE:
-        raise_for(out)
+    raise_for(out)
     app.metrics.queue_for(adm.request.priority).observe(out.queue_s)
     # How long the answer took from the engine client to this handler: under a burst the event
     # loop is busy with the flood, and admission must count this delay too (the calibrated

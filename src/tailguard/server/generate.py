@@ -1,8 +1,7 @@
 """Completions and chat: one generation, streamed as SSE or answered as one JSON body.
 
 Stop strings are matched on the detokenized text in this process (the engine knows only stop
-token ids); a match ends the response and aborts the engine request. While streaming, text that
-could be the start of a stop string is held back until it is known not to be one.
+token ids; see text.py); a match ends the response and aborts the engine request.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from tailguard.errors import TailguardError
 from tailguard.server import flow
 from tailguard.server.errors import error_answer
 from tailguard.server.schemas import ChatRequest, CompletionRequest
+from tailguard.server.text import GeneratedText
 
 if TYPE_CHECKING:
     from tailguard.server.app import App, Call
@@ -26,42 +26,6 @@ __all__ = ["run_generation"]
 
 SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses the context left (<= 512)
-
-
-class _Text:
-    """Incremental detokenization with stop-string matching and hold-back."""
-
-    def __init__(self, app: App, stops: list[str]) -> None:
-        self.tok = app.model.tokenizer
-        self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.ids: list[int] = []
-        self.text = ""
-        self.emitted = 0
-        self.stopped = False
-
-    def add(self, new_ids: list[int], final: bool) -> str:
-        """Feed tokens; return the text that is now safe to send."""
-        if self.stopped:
-            return ""
-        self.ids.extend(new_ids)
-        self.text = self.tok.decode(self.ids)
-        hits = [
-            i for s in self.stops if (i := self.text.find(s, max(self.emitted - len(s), 0))) >= 0
-        ]
-        if hits:  # the earliest stop string wins
-            self.text = self.text[: min(hits)]
-            self.stopped = True
-        end = len(self.text)
-        if not (final or self.stopped):
-            end -= self.hold
-            if self.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
-                end = min(end, len(self.text) - 1)
-        if end <= self.emitted:
-            return ""
-        delta = self.text[self.emitted : end]
-        self.emitted = end
-        return delta
 
 
 def _finish_name(reason: FinishReason | None, stopped: bool) -> str:
@@ -161,7 +125,7 @@ async def run_generation(
 
         async def compute() -> bytes:
             adm = admit()
-            text = _Text(app, stops)
+            text = GeneratedText(app.model.tokenizer, stops)
             n_out, reason, first_s = 0, None, None
             async with contextlib.aclosing(flow.outputs(app, call, adm)) as it:
                 async for out in it:
@@ -215,7 +179,7 @@ async def _stream(
     adm = admit()
     rid = adm.request.request_id
     obj = "chat.completion.chunk" if chat else "text_completion"
-    text = _Text(app, stops)
+    text = GeneratedText(app.model.tokenizer, stops)
 
     def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         body = {"id": rid, "object": obj, "created": created, "model": app.model_name}
