@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 import pytest
-from tests.server.inproc import request, running_app
+from tests.server.inproc import request, running_app, until
 
 INFER = {"prompt": "the quick brown fox", "top_k": 3}
 
@@ -232,10 +232,14 @@ async def test_cache_answers_when_overloaded_unless_opted_out() -> None:
         blocker = asyncio.ensure_future(
             request(app, "POST", "/v1/infer", INFER, {"X-Request-Timeout-Ms": "10000"})
         )
-        await asyncio.sleep(0.005)
+        await until(lambda: app.admission.queued_requests == 1)
         hit = await request(app, "POST", "/v1/completions", {**body, "timeout": 1.0})
         assert hit.status == 200 and hit.headers["x-tailguard-cache"] == "hit"
-        assert hit.body == first.body
+        # the same answer (payload) in a fresh envelope: its own id, not the first's
+        old, new = first.json(), hit.json()
+        assert new["choices"] == old["choices"] and new["usage"] == old["usage"]
+        assert new["id"] != old["id"] and new["id"].startswith("generate-")
+        assert new["object"] == "text_completion" and new["created"] >= old["created"]
         miss = await request(app, "POST", "/v1/completions", body, {"Cache-Control": "no-cache"})
         assert miss.status == 503
         sampled = await request(app, "POST", "/v1/completions", {**body, "temperature": 0.7})
