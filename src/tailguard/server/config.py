@@ -55,8 +55,6 @@ class ServerConfig:
     api_key: str | None = None
     """If set, every /v1 request needs `Authorization: Bearer <key>` (else 401). Also read from
     the TAILGUARD_API_KEY environment variable."""
-    http_server: str = "httptools"
-    """HTTP server: tailguard's own HTTP/1.1 on uvloop + httptools (server/http.py)."""
     backlog: int = 16384
     """listen() backlog. The kernel caps it at net.core.somaxconn; raise that too for bursts."""
     keepalive_timeout_s: int = 75
@@ -158,10 +156,6 @@ class ServerConfig:
         need(
             self.engine in ("real", "stub", "simulated"),
             f"engine={self.engine!r}: use real, stub or simulated",
-        )
-        need(
-            self.http_server == "httptools",
-            f"http_server={self.http_server!r}: use httptools (the only one)",
         )
         need(self.backlog >= 1, f"backlog={self.backlog}: must be >= 1")
         need(
