@@ -302,10 +302,11 @@ class ModelRunner:
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
         gen = self._rng
         if sp.seed is not None:
-            gen = self._generators.get(req.request_id)
-            if gen is None:
-                gen = torch.Generator(device=self.device).manual_seed(sp.seed)
-                self._generators[req.request_id] = gen
+            own = self._generators.get(req.request_id)
+            if own is None:
+                own = torch.Generator(device=self.device).manual_seed(sp.seed)
+                self._generators[req.request_id] = own
+            gen = own
         return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
