@@ -1,6 +1,6 @@
 """What the HTTP server needs from an engine: the protocol both the real engine client
 (`tailguard.engine.client.EngineClient`, model in a separate process) and the instant stub used by
-front-end benchmarks and server tests (`tailguard.server.stub.StubEngineClient`) implement.
+front-end benchmarks and server tests (`tailguard.server.stub.StubEngineClient`) and the simulated engine (`tailguard.server.simulated`) implement.
 """
 
 from __future__ import annotations
