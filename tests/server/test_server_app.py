@@ -334,19 +334,24 @@ async def test_request_path_metrics_are_exact_at_every_scrape() -> None:
 def test_hot_histogram_counts_buckets_as_prometheus_client_does() -> None:
     from prometheus_client import CollectorRegistry, Histogram
 
-    from tailguard.server.metrics import SLA_BUCKETS, HotHistogram
+    from tailguard.server.metrics import SLA_BUCKETS, RequestPathCollector
 
     values = [0.0, 0.005, 0.0050001, 0.15, 0.1500001, 9.99, 10.0, 11.0, -1.0]
-    ref = Histogram("ref", "r", buckets=SLA_BUCKETS, registry=CollectorRegistry())
-    hot_child = Histogram("hot", "h", buckets=SLA_BUCKETS, registry=CollectorRegistry())
-    hot = HotHistogram(hot_child)
+    ref = Histogram("ref", "r", ["priority"], buckets=SLA_BUCKETS, registry=CollectorRegistry())
+    ours = RequestPathCollector()
     for v in values:
-        ref.observe(v)
-        hot.observe(v)
-    hot.flush()
-    assert [(s.labels, s.value) for s in ref.collect()[0].samples if "created" not in s.name] == [
-        (s.labels, s.value) for s in hot_child.collect()[0].samples if "created" not in s.name
-    ]
+        ref.labels("batch").observe(v)
+        ours.child("queue", ("batch",)).observe(v)
+    (queue,) = [f for f in ours.collect() if f.name == "tailguard_queue_seconds"]
+
+    def samples(family: object) -> list[tuple[str, dict[str, str], float]]:
+        return [
+            (s.name.rsplit("_", 1)[-1], s.labels, s.value)
+            for s in family.samples  # type: ignore[attr-defined]
+            if "created" not in s.name
+        ]
+
+    assert samples(queue) == samples(ref.collect()[0])
 
 
 async def test_a_saturated_server_turns_infer_away_before_tokenizing() -> None:

@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from tailguard.core.block_pool import BlockPool
+from tailguard.core.gc_timer import GCTimer
 from tailguard.core.request import EngineOutput, EngineRequest
 from tailguard.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SeqResult
 from tailguard.core.stats import AllocatorStats, EngineStats, StepStats
@@ -24,23 +25,6 @@ from tailguard.engine.config import EngineConfig
 from tailguard.engine.runner import ModelRunner
 
 EWMA = 0.2  # weight of the newest step in the recent step-time / throughput averages
-
-
-class GCTimer:
-    """Times every garbage-collector pause through gc.callbacks."""
-
-    def __init__(self) -> None:
-        self.pause_s_total = 0.0
-        self.collections = 0
-        self._t0 = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.pause_s_total += time.perf_counter() - self._t0
-            self.collections += 1
 
 
 class EngineCore:
