@@ -54,10 +54,10 @@ def _metavar(type_text: str) -> str:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     known = settings()
     overrides: dict[str, Any] = {}
-    for name, (_owner, type_text, _d, _doc) in known.items():
+    for name in known:
         value = getattr(args, name, None)
         if value is not None:
-            overrides[name] = convert(name, type_text, value)
+            overrides[name] = convert(name, value)
     return load_config(args.config, overrides)
 
 

@@ -273,7 +273,6 @@ class ServerMetrics:
         self._answers: dict[tuple[str, str], HotHistogram] = {}
         self._rejections: dict[str, HotHistogram] = {}
         self._queue_children: dict[Any, HotHistogram] = {}
-        self._last_step_t = 0.0
         self._engine_totals: dict[str, float] = {}
         self._server_cpu = 0.0
         self._gc = GCTimer()  # this process's collections (the engine's come in its stats)
@@ -352,10 +351,10 @@ class ServerMetrics:
         self._engine_totals[key] = total
 
     def observe_engine(self, s: EngineStats, *, ready: bool, restarts: int) -> list[StepStats]:
-        """Update from a snapshot; returns the steps not seen in earlier snapshots."""
-        new = [step for step in s.recent_steps if step.t_s > self._last_step_t]
+        """Update from a snapshot; returns its steps (each engine client hands a step over
+        once: `EngineClientProtocol.stats`)."""
+        new = s.recent_steps
         for step in new:
-            self._last_step_t = step.t_s
             self.batch_size.observe(step.num_seqs)
             self.batch_tokens.observe(step.num_tokens)
             self.step_s.observe(step.step_s)
