@@ -22,6 +22,7 @@ from tailguard.core.request import (
     RequestKind,
 )
 from tailguard.core.sequence import SeqStatus, Sequence
+from tailguard.core.stats import EngineStats
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,19 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self._by_id)
+
+    def fill_stats(self, s: EngineStats) -> EngineStats:
+        """Write the scheduler's part of an engine snapshot (queues, KV blocks, counters)."""
+        c = self.counters
+        s.waiting, s.running, s.waiting_tokens = (
+            self.num_waiting,
+            self.num_running,
+            self.pending_tokens(),
+        )
+        s.kv_blocks_total, s.kv_blocks_used = self.pool.num_usable, self.pool.num_used
+        s.preemptions_total, s.expired_total = c.preemptions, c.expired
+        s.aborted_total, s.finished_total = c.aborted, c.finished
+        return s
 
     def has_work(self) -> bool:
         return bool(self._by_id) or bool(self._rejected)

@@ -19,12 +19,11 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import zmq
 
-from tailguard.core.request import EngineOutput, EngineRequest
+from tailguard.core.request import EngineRequest
 from tailguard.core.stats import EngineStats, StepStats
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.protocol import (
@@ -36,7 +35,7 @@ from tailguard.engine.protocol import (
     ShutdownMsg,
     UpdateMsg,
 )
-from tailguard.engine.router import RequestRouter
+from tailguard.engine.router import RequestRouter, RoutedClient
 from tailguard.errors import EngineUnavailableError
 
 STARTUP_TIMEOUT_S = 600.0  # loading + warm-up of a large checkpoint can take minutes
@@ -50,7 +49,7 @@ def _fd(sock: zmq.Socket[bytes]) -> int:
     return fd
 
 
-class EngineClient:
+class EngineClient(RoutedClient):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._stats = EngineStats()
@@ -75,26 +74,10 @@ class EngineClient:
 
     # ---- protocol properties ---------------------------------------------------------------
     @property
-    def on_output(self) -> Callable[[EngineOutput], None] | None:
-        return self._router.on_output
-
-    @on_output.setter
-    def on_output(self, listener: Callable[[EngineOutput], None] | None) -> None:
-        self._router.on_output = listener
-
-    @property
     def stats(self) -> EngineStats:
         s = self._stats
         s.recent_steps, self._unread_steps = self._unread_steps, []  # each step handed over once
         return s
-
-    @property
-    def ready(self) -> bool:
-        return self._ready
-
-    @property
-    def restarts(self) -> int:
-        return self._restarts
 
     @property
     def pid(self) -> int | None:
@@ -265,14 +248,6 @@ class EngineClient:
         self._router.fail_all(why)
 
     # ---- requests -------------------------------------------------------------------------
-    def submit(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        self._check_ready()
-        return self._router.stream(request)
-
-    async def run(self, request: EngineRequest) -> EngineOutput:
-        self._check_ready()
-        return await self._router.single(request)
-
     async def abort(self, request_id: str) -> None:
         self._send_abort(request_id)
 

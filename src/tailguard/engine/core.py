@@ -153,35 +153,27 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         """A snapshot; takes the steps recorded since the previous snapshot."""
-        sched = self.scheduler
         recent, self._recent = self._recent, []
         cpu = self._process.cpu_times()
         alloc: AllocatorStats = allocator_stats(self.runner.device, self._process.memory_info().rss)
-        return EngineStats(
-            t_s=time.monotonic(),
-            steps_total=self.steps,
-            waiting=sched.num_waiting,
-            running=sched.num_running,
-            waiting_tokens=sched.pending_tokens(),
-            kv_blocks_total=sched.pool.num_usable,
-            kv_blocks_used=sched.pool.num_used,
-            preemptions_total=sched.counters.preemptions,
-            expired_total=sched.counters.expired,
-            aborted_total=sched.counters.aborted,
-            finished_total=sched.counters.finished,
-            oom_retries_total=self.oom_retries,
-            oom_failures_total=self.oom_failures,
-            kv_allocations_total=self.runner.device_allocations(),
-            distinct_shapes=self.runner.shapes.known,
-            warmup_done=self.warmup_done,
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            gc_pause_s_total=self.gc_timer.pause_s_total,
-            gc_collections_total=self.gc_timer.collections,
-            cpu_seconds_total=cpu.user + cpu.system,
-            intra_op_threads=torch.get_num_threads(),
-            tokens_per_s=self._tokens_per_s,
-            step_s_ewma=self._step_s_ewma,
-            recent_steps=recent,
-            allocator=alloc,
+        return self.scheduler.fill_stats(
+            EngineStats(
+                t_s=time.monotonic(),
+                steps_total=self.steps,
+                oom_retries_total=self.oom_retries,
+                oom_failures_total=self.oom_failures,
+                kv_allocations_total=self.runner.device_allocations(),
+                distinct_shapes=self.runner.shapes.known,
+                warmup_done=self.warmup_done,
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                gc_pause_s_total=self.gc_timer.pause_s_total,
+                gc_collections_total=self.gc_timer.collections,
+                cpu_seconds_total=cpu.user + cpu.system,
+                intra_op_threads=torch.get_num_threads(),
+                tokens_per_s=self._tokens_per_s,
+                step_s_ewma=self._step_s_ewma,
+                recent_steps=recent,
+                allocator=alloc,
+            )
         )

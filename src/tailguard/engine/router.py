@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from tailguard.core.request import EngineOutput, EngineRequest
 from tailguard.errors import EngineUnavailableError
 
-__all__ = ["RequestRouter"]
+__all__ = ["RequestRouter", "RoutedClient"]
 
 
 class RequestRouter:
@@ -100,3 +100,41 @@ class RequestRouter:
             raise
         finally:
             self._waiters.pop(rid, None)
+
+
+class RoutedClient:
+    """The request half of `EngineClientProtocol` on a RequestRouter (`submit`, `run`,
+    `on_output`), shared by the engine clients: each sets `_router` and says when it takes
+    requests (`_check_ready`)."""
+
+    _router: RequestRouter
+    _ready: bool  # takes requests
+    _restarts: int  # engine restarts so far
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def restarts(self) -> int:
+        return self._restarts
+
+    @property
+    def on_output(self) -> Callable[[EngineOutput], None] | None:
+        return self._router.on_output
+
+    @on_output.setter
+    def on_output(self, listener: Callable[[EngineOutput], None] | None) -> None:
+        self._router.on_output = listener
+
+    def submit(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        self._check_ready()
+        return self._router.stream(request)
+
+    async def run(self, request: EngineRequest) -> EngineOutput:
+        self._check_ready()
+        return await self._router.single(request)
+
+    def _check_ready(self) -> None:
+        """Raise EngineUnavailableError when the engine cannot take a request now."""
+        raise NotImplementedError

@@ -18,13 +18,12 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable
 
 from tailguard.core.block_pool import BlockPool
-from tailguard.core.request import EngineOutput, EngineRequest, RequestKind
+from tailguard.core.request import EngineRequest, RequestKind
 from tailguard.core.scheduler import Scheduler, SchedulerOutput, SeqResult
 from tailguard.core.stats import EngineStats, StepStats
-from tailguard.engine.router import RequestRouter
+from tailguard.engine.router import RequestRouter, RoutedClient
 from tailguard.errors import EngineUnavailableError
 from tailguard.server.stub import fake_embedding, fake_token, fake_top_logprobs
 
@@ -36,7 +35,7 @@ EWMA = 0.2  # weight of the newest step in the published averages (as the real e
 KEEP_STEPS = 1024  # step records kept until `stats` is read
 
 
-class SimulatedEngineClient:
+class SimulatedEngineClient(RoutedClient):
     def __init__(
         self,
         *,
@@ -82,14 +81,6 @@ class SimulatedEngineClient:
             eos_token_id=EOS_ID,
         )
 
-    @property
-    def on_output(self) -> Callable[[EngineOutput], None] | None:
-        return self._router.on_output
-
-    @on_output.setter
-    def on_output(self, listener: Callable[[EngineOutput], None] | None) -> None:
-        self._router.on_output = listener
-
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         # Stands in for the real engine's warm-up, which runs every bucket shape once: publish
@@ -127,14 +118,6 @@ class SimulatedEngineClient:
         await self.start()
 
     # ---- protocol -----------------------------------------------------------------------------
-    def submit(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        self._check_ready()
-        return self._router.stream(request)
-
-    async def run(self, request: EngineRequest) -> EngineOutput:
-        self._check_ready()
-        return await self._router.single(request)
-
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
 
@@ -153,36 +136,19 @@ class SimulatedEngineClient:
 
     @property
     def stats(self) -> EngineStats:
-        sched = self.scheduler
         recent, self._recent = self._recent, []
-        c = sched.counters
-        return EngineStats(
-            t_s=time.monotonic(),
-            steps_total=self._steps,
-            waiting=sched.num_waiting,
-            running=sched.num_running,
-            waiting_tokens=sched.pending_tokens(),
-            kv_blocks_total=sched.pool.num_usable,
-            kv_blocks_used=sched.pool.num_used,
-            preemptions_total=c.preemptions,
-            expired_total=c.expired,
-            aborted_total=c.aborted,
-            finished_total=c.finished,
-            warmup_done=self._ready,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            tokens_per_s=self._tokens_per_s_ewma,
-            step_s_ewma=self._step_s_ewma,
-            recent_steps=recent,
+        return self.scheduler.fill_stats(
+            EngineStats(
+                t_s=time.monotonic(),
+                steps_total=self._steps,
+                warmup_done=self._ready,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                tokens_per_s=self._tokens_per_s_ewma,
+                step_s_ewma=self._step_s_ewma,
+                recent_steps=recent,
+            )
         )
-
-    @property
-    def ready(self) -> bool:
-        return self._ready
-
-    @property
-    def restarts(self) -> int:
-        return self._restarts
 
     # ---- the loop: schedule, execute (sleep), update ------------------------------------------
     async def _loop(self) -> None:
