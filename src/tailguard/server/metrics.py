@@ -160,113 +160,221 @@ class RequestPathCollector(Collector):
         )
 
 
+@dataclass(frozen=True)
+class MetricSpec:
+    """One prometheus_client metric of the server, declared in REGISTERED."""
+
+    attr: str  # the ServerMetrics attribute it is
+    kind: type[Counter] | type[Gauge] | type[Histogram]
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+    def create(self, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
+        if self.kind is Histogram:
+            assert self.buckets is not None, self.name
+            return Histogram(
+                self.name, self.doc, self.labels, buckets=self.buckets, registry=registry
+            )
+        return self.kind(self.name, self.doc, self.labels, registry=registry)
+
+
+# The rest of the server's series: (attribute, kind, name, help, labels, buckets).
+REGISTERED: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "ttft",
+        Histogram,
+        "tailguard_time_to_first_token_seconds",
+        "Arrival -> first output token",
+        ("endpoint",),
+        SLA_BUCKETS,
+    ),
+    MetricSpec(
+        "tpot",
+        Histogram,
+        "tailguard_time_per_output_token_seconds",
+        "Mean inter-token time per finished generation",
+        (),
+        SLA_BUCKETS,
+    ),
+    MetricSpec(
+        "calibration",
+        Gauge,
+        "tailguard_admission_excess_seconds",
+        "Admission's measured prediction error (actual - predicted) at its target quantile, "
+        "planned for predictions up to `le` seconds (le=live: from requests in flight that "
+        "are already past their bound)",
+        ("kind", "le"),
+        None,
+    ),
+    MetricSpec(
+        "step_cost",
+        Gauge,
+        "tailguard_admission_step_cost_seconds",
+        "Admission's fit of the engine step time, a + b * tokens: term a (s per step) and b "
+        "(s per token)",
+        ("term",),
+        None,
+    ),
+    MetricSpec(
+        "cache_hits",
+        Counter,
+        "tailguard_cache_hits",
+        "Answered from the degradation cache",
+        ("reason",),
+        None,
+    ),
+    MetricSpec("waiting", Gauge, "tailguard_requests_waiting", "Queued in the engine", (), None),
+    MetricSpec("running", Gauge, "tailguard_requests_running", "Running in the engine", (), None),
+    MetricSpec(
+        "in_flight", Gauge, "tailguard_requests_in_flight", "Admitted, not yet answered", (), None
+    ),
+    MetricSpec(
+        "batch_size",
+        Histogram,
+        "tailguard_batch_size",
+        "Sequences per engine step",
+        (),
+        _SIZE_BUCKETS,
+    ),
+    MetricSpec(
+        "batch_tokens",
+        Histogram,
+        "tailguard_batch_tokens",
+        "Tokens per engine step",
+        (),
+        _TOKEN_BUCKETS,
+    ),
+    MetricSpec("max_num_seqs", Gauge, "tailguard_max_num_seqs", "Engine batch capacity", (), None),
+    MetricSpec(
+        "step_s",
+        Histogram,
+        "tailguard_engine_step_seconds",
+        "Engine step wall time",
+        (),
+        SLA_BUCKETS,
+    ),
+    MetricSpec(
+        "kv_usage", Gauge, "tailguard_kv_cache_usage_ratio", "Used / total KV blocks", (), None
+    ),
+    MetricSpec(
+        "kv_total", Gauge, "tailguard_kv_cache_blocks_total", "KV blocks in the pool", (), None
+    ),
+    MetricSpec("preemptions", Counter, "tailguard_preemptions", "Sequences preempted", (), None),
+    MetricSpec(
+        "expired", Counter, "tailguard_expired", "Dropped unexecuted after deadline", (), None
+    ),
+    MetricSpec("oom_retries", Counter, "tailguard_oom_retries", "Batch splits after OOM", (), None),
+    MetricSpec(
+        "oom_failures", Counter, "tailguard_oom_failures", "Failed: OOM even alone", (), None
+    ),
+    MetricSpec(
+        "restarts", Counter, "tailguard_engine_restarts", "Engine process restarts", (), None
+    ),
+    MetricSpec(
+        "engine_up", Gauge, "tailguard_engine_up", "1 when the engine is alive and warm", (), None
+    ),
+    MetricSpec("shapes", Gauge, "tailguard_forward_shapes", "Distinct forward shapes", (), None),
+    MetricSpec("kv_allocs", Counter, "tailguard_kv_allocations", "KV tensors allocated", (), None),
+    MetricSpec(
+        "loop_lag",
+        Histogram,
+        "tailguard_event_loop_lag_seconds",
+        "HTTP event-loop lag",
+        (),
+        _LAG_BUCKETS,
+    ),
+    MetricSpec("gc_pause", Counter, "tailguard_gc_pause_seconds", "Time in GC", ("process",), None),
+    MetricSpec(
+        "conn_cut",
+        Counter,
+        "tailguard_connections_cut",
+        "Connections the server closed on a timeout or aborted",
+        ("reason",),
+        None,
+    ),
+    MetricSpec("cpu", Counter, "tailguard_process_cpu_seconds", "CPU time", ("process",), None),
+    MetricSpec("rss", Gauge, "tailguard_process_resident_memory_bytes", "RSS", ("process",), None),
+    MetricSpec(
+        "threads", Gauge, "tailguard_compute_threads", "Intra-op threads", ("process",), None
+    ),
+    MetricSpec(
+        "alloc_reserved", Gauge, "tailguard_allocator_reserved_bytes", "CUDA reserved", (), None
+    ),
+    MetricSpec(
+        "alloc_allocated", Gauge, "tailguard_allocator_allocated_bytes", "CUDA allocated", (), None
+    ),
+    MetricSpec(
+        "alloc_inactive",
+        Gauge,
+        "tailguard_allocator_inactive_split_bytes",
+        "CUDA inactive split bytes",
+        (),
+        None,
+    ),
+    MetricSpec(
+        "alloc_retries",
+        Counter,
+        "tailguard_allocator_alloc_retries",
+        "CUDA alloc retries",
+        (),
+        None,
+    ),
+    MetricSpec("alloc_ooms", Counter, "tailguard_allocator_ooms", "CUDA OOMs", (), None),
+    MetricSpec(
+        "alloc_device", Counter, "tailguard_allocator_device_allocs", "cudaMalloc calls", (), None
+    ),
+    MetricSpec("sla", Gauge, "tailguard_sla_seconds", "Configured SLA", (), None),
+)
+
+
 class ServerMetrics:
+    # declared in REGISTERED, created in __init__
+    ttft: Histogram
+    tpot: Histogram
+    calibration: Gauge
+    step_cost: Gauge
+    cache_hits: Counter
+    waiting: Gauge
+    running: Gauge
+    in_flight: Gauge
+    batch_size: Histogram
+    batch_tokens: Histogram
+    max_num_seqs: Gauge
+    step_s: Histogram
+    kv_usage: Gauge
+    kv_total: Gauge
+    preemptions: Counter
+    expired: Counter
+    oom_retries: Counter
+    oom_failures: Counter
+    restarts: Counter
+    engine_up: Gauge
+    shapes: Gauge
+    kv_allocs: Counter
+    loop_lag: Histogram
+    gc_pause: Counter
+    conn_cut: Counter
+    cpu: Counter
+    rss: Gauge
+    threads: Gauge
+    alloc_reserved: Gauge
+    alloc_allocated: Gauge
+    alloc_inactive: Gauge
+    alloc_retries: Counter
+    alloc_ooms: Counter
+    alloc_device: Counter
+    sla: Gauge
+
     def __init__(self, sla_s: float, max_num_seqs: int) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.request_path = path = RequestPathCollector()
         r.register(path)
         self.intake = path.child("intake")
         self._per_conn = path.child("per_connection")
-        self.ttft = Histogram(
-            "tailguard_time_to_first_token_seconds",
-            "Arrival -> first output token",
-            ["endpoint"],
-            buckets=SLA_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "tailguard_time_per_output_token_seconds",
-            "Mean inter-token time per finished generation",
-            buckets=SLA_BUCKETS,
-            registry=r,
-        )
-        self.calibration = Gauge(
-            "tailguard_admission_excess_seconds",
-            "Admission's measured prediction error (actual - predicted) at its target quantile, "
-            "planned for predictions up to `le` seconds (le=live: from requests in flight that "
-            "are already past their bound)",
-            ["kind", "le"],
-            registry=r,
-        )
-        self.step_cost = Gauge(
-            "tailguard_admission_step_cost_seconds",
-            "Admission's fit of the engine step time, a + b * tokens: term a (s per step) and b "
-            "(s per token)",
-            ["term"],
-            registry=r,
-        )
-        self.cache_hits = Counter(
-            "tailguard_cache_hits", "Answered from the degradation cache", ["reason"], registry=r
-        )
-        self.waiting = Gauge("tailguard_requests_waiting", "Queued in the engine", registry=r)
-        self.running = Gauge("tailguard_requests_running", "Running in the engine", registry=r)
-        self.in_flight = Gauge(
-            "tailguard_requests_in_flight", "Admitted, not yet answered", registry=r
-        )
-        self.batch_size = Histogram(
-            "tailguard_batch_size", "Sequences per engine step", buckets=_SIZE_BUCKETS, registry=r
-        )
-        self.batch_tokens = Histogram(
-            "tailguard_batch_tokens", "Tokens per engine step", buckets=_TOKEN_BUCKETS, registry=r
-        )
-        self.max_num_seqs = Gauge("tailguard_max_num_seqs", "Engine batch capacity", registry=r)
-        self.step_s = Histogram(
-            "tailguard_engine_step_seconds",
-            "Engine step wall time",
-            buckets=SLA_BUCKETS,
-            registry=r,
-        )
-        self.kv_usage = Gauge(
-            "tailguard_kv_cache_usage_ratio", "Used / total KV blocks", registry=r
-        )
-        self.kv_total = Gauge(
-            "tailguard_kv_cache_blocks_total", "KV blocks in the pool", registry=r
-        )
-        self.preemptions = Counter("tailguard_preemptions", "Sequences preempted", registry=r)
-        self.expired = Counter("tailguard_expired", "Dropped unexecuted after deadline", registry=r)
-        self.oom_retries = Counter("tailguard_oom_retries", "Batch splits after OOM", registry=r)
-        self.oom_failures = Counter("tailguard_oom_failures", "Failed: OOM even alone", registry=r)
-        self.restarts = Counter("tailguard_engine_restarts", "Engine process restarts", registry=r)
-        self.engine_up = Gauge(
-            "tailguard_engine_up", "1 when the engine is alive and warm", registry=r
-        )
-        self.shapes = Gauge("tailguard_forward_shapes", "Distinct forward shapes", registry=r)
-        self.kv_allocs = Counter("tailguard_kv_allocations", "KV tensors allocated", registry=r)
-        self.loop_lag = Histogram(
-            "tailguard_event_loop_lag_seconds",
-            "HTTP event-loop lag",
-            buckets=_LAG_BUCKETS,
-            registry=r,
-        )
-        self.gc_pause = Counter("tailguard_gc_pause_seconds", "Time in GC", ["process"], registry=r)
-        self.conn_cut = Counter(
-            "tailguard_connections_cut",
-            "Connections the server closed on a timeout or aborted",
-            ["reason"],
-            registry=r,
-        )
-        self.cpu = Counter("tailguard_process_cpu_seconds", "CPU time", ["process"], registry=r)
-        self.rss = Gauge("tailguard_process_resident_memory_bytes", "RSS", ["process"], registry=r)
-        self.threads = Gauge(
-            "tailguard_compute_threads", "Intra-op threads", ["process"], registry=r
-        )
-        self.alloc_reserved = Gauge(
-            "tailguard_allocator_reserved_bytes", "CUDA reserved", registry=r
-        )
-        self.alloc_allocated = Gauge(
-            "tailguard_allocator_allocated_bytes", "CUDA allocated", registry=r
-        )
-        self.alloc_inactive = Gauge(
-            "tailguard_allocator_inactive_split_bytes", "CUDA inactive split bytes", registry=r
-        )
-        self.alloc_retries = Counter(
-            "tailguard_allocator_alloc_retries", "CUDA alloc retries", registry=r
-        )
-        self.alloc_ooms = Counter("tailguard_allocator_ooms", "CUDA OOMs", registry=r)
-        self.alloc_device = Counter(
-            "tailguard_allocator_device_allocs", "cudaMalloc calls", registry=r
-        )
-        self.sla = Gauge("tailguard_sla_seconds", "Configured SLA", registry=r)
+        for spec in REGISTERED:
+            setattr(self, spec.attr, spec.create(r))
         self.sla.set(sla_s)
         self.max_num_seqs.set(max_num_seqs)
         self.threads.labels("server").set(1)
