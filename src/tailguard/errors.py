@@ -143,7 +143,7 @@ class RetryLaterError(TailguardError):
 
     def to_dict(self) -> dict[str, object]:
         body = super().to_dict()
-        body["error"]["retry_after_s"] = self.retry_after_s  # type: ignore[index]
+        body["error"]["retry_after_s"] = round(self.retry_after_s, 3)  # type: ignore[index]
         return body
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tests.core.factories import fake_results, make_request, make_scheduler
 
-from tailguard.core.request import FinishReason, Priority, RequestKind
-from tailguard.core.scheduler import Scheduler
+from tailguard.core.request import EngineError, FinishReason, Priority, RequestKind
+from tailguard.core.scheduler import Scheduler, SeqResult
 
 
 def run_to_completion(sched: Scheduler, now: float = 0.0, max_steps: int = 1000) -> dict:
@@ -102,10 +102,21 @@ def test_pool_exhaustion_preempts_lowest_priority_and_recomputes() -> None:
     sched = make_scheduler(num_blocks=9, block_size=4, max_num_batched_tokens=64)
     sched.add(make_request("hi", prompt_len=12, max_tokens=8, priority=Priority.INTERACTIVE))
     sched.add(make_request("lo", prompt_len=12, max_tokens=8, priority=Priority.BATCH))
-    done = run_to_completion(sched)
-    assert sched.counters.preemptions >= 1
-    assert {k: v.num_output_tokens for k, v in done.items()} == {"hi": 8, "lo": 8}
-    assert all(v.finish_reason == FinishReason.LENGTH for v in done.values())
+    plans = []
+    finished = {}
+    while sched.has_work():
+        out = sched.schedule(0.0)
+        plans.append([(s.seq.request_id, s.start, s.num_new) for s in out.scheduled])
+        finished.update({o.request_id: o for o in sched.update(out, fake_results(out), 0.0)})
+    assert plans[0] == [("hi", 0, 12), ("lo", 0, 12)]  # both prefill
+    assert plans[1:5] == [[("hi", 12 + i, 1), ("lo", 12 + i, 1)] for i in range(4)]
+    # the pool is full at 16 tokens each: the batch sequence is the victim, hi runs alone...
+    assert plans[5:8] == [[("hi", 16 + i, 1)] for i in range(3)]
+    # ...and lo recomputes its prompt and the 5 tokens it had (17 = 12 + 5), then decodes
+    assert plans[8:] == [[("lo", 0, 17)], [("lo", 17, 1)], [("lo", 18, 1)]]
+    assert sched.counters.preemptions == 1
+    assert {k: v.num_output_tokens for k, v in finished.items()} == {"hi": 8, "lo": 8}
+    assert all(v.finish_reason == FinishReason.LENGTH for v in finished.values())
     assert sched.pool.num_used == 0
 
 
@@ -134,7 +145,7 @@ def test_request_over_context_is_refused_with_both_numbers() -> None:
     sched.add(make_request("big", prompt_len=30, max_tokens=10))
     out = sched.schedule(0.0)
     (o,) = out.finished
-    assert o.finish_reason == FinishReason.ERROR
+    assert (o.finish_reason, o.error_code) == (FinishReason.ERROR, EngineError.INVALID)
     assert o.error is not None and "30" in o.error and "32" in o.error
 
 
@@ -143,4 +154,26 @@ def test_budget_limits_sequences_and_tokens() -> None:
     for i in range(6):
         sched.add(make_request(f"r{i}", prompt_len=8))
     out = sched.schedule(0.0)
-    assert len(out.scheduled) <= 3 and out.num_tokens <= 20
+    # three sequences (max_num_seqs), 20 tokens: the third prompt is chunked to what is left
+    assert [(s.seq.request_id, s.start, s.num_new) for s in out.scheduled] == [
+        ("r0", 0, 8),
+        ("r1", 0, 8),
+        ("r2", 0, 4),
+    ]
+
+
+def test_request_larger_than_the_kv_pool_fails_as_out_of_memory() -> None:
+    sched = make_scheduler(num_blocks=5, block_size=4)  # 4 usable blocks: 16 tokens
+    sched.add(make_request("huge", prompt_len=20, max_tokens=4))
+    (o,) = sched.schedule(0.0).finished
+    assert (o.finish_reason, o.error_code) == (FinishReason.ERROR, EngineError.OUT_OF_MEMORY)
+    assert o.error is not None and "KV blocks" in o.error
+
+
+def test_runner_failure_alone_is_reported_as_out_of_memory() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a", prompt_len=8))
+    out = sched.schedule(0.0)
+    (o,) = sched.update(out, [SeqResult(error="no room for the activations")], 0.0)
+    assert (o.finish_reason, o.error_code) == (FinishReason.ERROR, EngineError.OUT_OF_MEMORY)
+    assert o.error == "no room for the activations" and sched.pool.num_used == 0

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from tailguard.server.app import App, Call
+from tailguard.server.app import App
+from tailguard.server.call import Call
 from tailguard.server.cli import build_app
 from tailguard.server.config import ServerConfig, load_config
+
+READY_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -76,6 +80,17 @@ async def request(
     return Response(rec.status, rec.headers, b"".join(rec.chunks), rec.chunks)
 
 
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait for `condition` (checked every loop turn, then every ms), failing loudly after
+    `timeout_s`: tests wait for a state, not for a guessed time."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(0.001)
+
+
 def make_config(**kw: Any) -> ServerConfig:
     kw.setdefault("engine", "simulated")
     return load_config(None, kw)
@@ -86,10 +101,11 @@ async def running_app(**kw: Any) -> Any:
     """An app whose engine is started and warm (lifespan startup done)."""
     app = build_app(make_config(**kw))
     await app.startup()
-    for _ in range(200):
-        if app.engine.ready:
-            break
-        await asyncio.sleep(0.01)
+    try:
+        await until(lambda: app.engine.ready, READY_TIMEOUT_S)
+    except AssertionError:
+        await app.shutdown()
+        raise AssertionError(f"the engine never became ready within {READY_TIMEOUT_S} s") from None
     try:
         yield app
     finally:

@@ -101,7 +101,7 @@ def test_print_config_has_the_keys_the_drift_check_reads(tmp_path: Path) -> None
 def test_trusted_proxies_flag_is_a_comma_separated_list(tmp_path: Path) -> None:
     from tailguard.server.config import convert
 
-    value = convert("trusted_proxies", "tuple[str, ...]", "10.0.0.0/8, 127.0.0.1")
+    value = convert("trusted_proxies", "10.0.0.0/8, 127.0.0.1")
     assert value == ("10.0.0.0/8", "127.0.0.1")
     assert load_config(None, {"trusted_proxies": value}).trusted_proxies == value
 
@@ -129,3 +129,18 @@ def test_every_setting_appears_in_the_user_docs() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "server.md").read_text()
     missing = [name for name in settings() if f"`{name}`" not in doc]
     assert not missing, f"document these settings in docs/server.md: {missing}"
+
+
+def test_flag_strings_and_toml_values_convert_through_the_settings_types() -> None:
+    from tailguard.server.config import convert
+
+    assert convert("sla_ms", "150") == 150.0 and convert("backlog", 128.0) == 128
+    assert convert("engine_threads", "3") == 3 and convert("access_log", "true") is True
+    assert convert("max_model_len", "none") is None and convert("max_model_len", "512") == 512
+    assert convert("seq_buckets", "1, 2,4") == (1, 2, 4)
+    with pytest.raises(
+        ConfigError, match=r"backlog=2\.5: expected int \(Expected `int`, got `float`\)"
+    ):
+        convert("backlog", 2.5)
+    with pytest.raises(ConfigError, match="sla_ms='fast'"):
+        convert("sla_ms", "fast")

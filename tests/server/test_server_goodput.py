@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from typing import Any
 
 import aiohttp
 import orjson
+from tests.server.inproc import until
 from tests.server.test_server_http import http_app
 
 
@@ -36,14 +38,15 @@ async def test_a_stream_nobody_reads_never_makes_other_requests_look_late() -> N
         stalled = _stalled_stream(port, max_tokens=4000)
         try:
             # wait until its handler is stuck behind a full socket while the engine goes on
-            for _ in range(300):
-                await asyncio.sleep(0.01)
-                seqs = [q for q in app.engine._by_id.values() if q.generated > 1000]  # type: ignore[attr-defined]
-                if seqs:
-                    break
-            assert seqs, "the stalled stream never got going"
+            sched = app.engine.scheduler  # type: ignore[attr-defined]
+
+            def stalled_seq() -> Any:
+                return next((q for q in sched._by_id.values() if q.num_output_tokens > 1000), None)
+
+            await until(lambda: stalled_seq() is not None, 10.0)
+            seq = stalled_seq()
             # the ledger followed the engine, not the handler stuck behind the socket
-            assert app.admission.queued_tokens == 4000 - seqs[0].generated
+            assert app.admission.queued_tokens == 4000 - seq.num_output_tokens
             url = f"http://127.0.0.1:{port}/v1/completions"
             async with aiohttp.ClientSession() as s:
 

@@ -1,6 +1,7 @@
-"""What the HTTP server needs from an engine: the protocol both the real engine client
-(`tailguard.engine.client.EngineClient`, model in a separate process) and the instant stub used by
-front-end benchmarks and server tests (`tailguard.server.stub.StubEngineClient`) implement.
+"""What the HTTP server needs from an engine: the protocol the real engine client
+(`tailguard.engine.client.EngineClient`, model in a separate process), the instant stub of the
+front-end benchmarks (`tailguard.server.stub.StubEngineClient`) and the simulated engine of the
+server tests (`tailguard.server.simulated.SimulatedEngineClient`) implement.
 """
 
 from __future__ import annotations

@@ -34,7 +34,17 @@ class FinishReason(enum.IntEnum):
     DONE = 2  # single-pass query completed
     ABORTED = 3  # cancelled by the caller (client disconnect, shutdown)
     EXPIRED = 4  # deadline passed before it ran; never executed
-    ERROR = 5  # failed (e.g. OOM even when run alone); see EngineOutput.error
+    ERROR = 5  # failed; EngineOutput.error_code says why, EngineOutput.error in words
+
+
+class EngineError(enum.IntEnum):
+    """Why a request failed (finish_reason ERROR). It crosses the IPC channel as an int; the
+    server maps it to its HTTP error through one table (tailguard.server.errors), never by
+    reading the message."""
+
+    INTERNAL = 0  # a bug or an unexpected failure in the engine
+    INVALID = 1  # the request cannot run on this engine (empty prompt, past the context)
+    OUT_OF_MEMORY = 2  # does not fit even when run alone (KV pool or activations)
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -67,6 +77,7 @@ class EngineOutput(msgspec.Struct):
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None  # human-readable, with the fix, when finish_reason is ERROR
+    error_code: EngineError | None = None  # set when finish_reason is ERROR
     embedding: list[float] | None = None  # EMBED, or SCORE with want_embedding
     top_logprobs: list[tuple[int, float]] | None = None  # SCORE: (token id, log-prob), best first
     num_prompt_tokens: int = 0

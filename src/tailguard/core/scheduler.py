@@ -14,8 +14,15 @@ import heapq
 from dataclasses import dataclass, field
 
 from tailguard.core.block_pool import BlockPool
-from tailguard.core.request import EngineOutput, EngineRequest, FinishReason, RequestKind
+from tailguard.core.request import (
+    EngineError,
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    RequestKind,
+)
 from tailguard.core.sequence import SeqStatus, Sequence
+from tailguard.core.stats import EngineStats
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,7 @@ class SeqResult:
     token_id: int | None = None  # GENERATE, when the chunk completes the sequence
     embedding: list[float] | None = None  # EMBED / SCORE with want_embedding
     top_logprobs: list[tuple[int, float]] | None = None  # SCORE
-    error: str | None = None  # set when the sequence failed (OOM even alone)
+    error: str | None = None  # set when the sequence does not fit even alone (out of memory)
 
 
 @dataclass
@@ -92,6 +99,19 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self._by_id)
 
+    def fill_stats(self, s: EngineStats) -> EngineStats:
+        """Write the scheduler's part of an engine snapshot (queues, KV blocks, counters)."""
+        c = self.counters
+        s.waiting, s.running, s.waiting_tokens = (
+            self.num_waiting,
+            self.num_running,
+            self.pending_tokens(),
+        )
+        s.kv_blocks_total, s.kv_blocks_used = self.pool.num_usable, self.pool.num_used
+        s.preemptions_total, s.expired_total = c.preemptions, c.expired
+        s.aborted_total, s.finished_total = c.aborted, c.finished
+        return s
+
     def has_work(self) -> bool:
         return bool(self._by_id) or bool(self._rejected)
 
@@ -108,7 +128,8 @@ class Scheduler:
     def add(self, request: EngineRequest) -> None:
         problem = self._check(request)
         if problem is not None:
-            self._rejected.append(_finished(request.request_id, FinishReason.ERROR, problem))
+            code, why = problem
+            self._rejected.append(_failed(request.request_id, code, why))
             return
         self._order += 1
         seq = Sequence.from_request(request, self._order)
@@ -148,7 +169,9 @@ class Scheduler:
                 continue
             if result.error is not None:
                 self.counters.failed += 1
-                outputs.append(self._finish(seq, FinishReason.ERROR, result.error))
+                failed = self._finish(seq, FinishReason.ERROR, result.error)
+                failed.error_code = EngineError.OUT_OF_MEMORY
+                outputs.append(failed)
                 continue
             seq.num_computed = item.start + item.num_new
             if not item.completes:
@@ -160,19 +183,19 @@ class Scheduler:
         return outputs
 
     # ---- internals -----------------------------------------------------------------------
-    def _check(self, request: EngineRequest) -> str | None:
+    def _check(self, request: EngineRequest) -> tuple[EngineError, str] | None:
         n = len(request.prompt_token_ids)
         if n == 0:
-            return "empty prompt: send at least one token"
+            return EngineError.INVALID, "empty prompt: send at least one token"
         extra = request.sampling.max_tokens if request.kind == RequestKind.GENERATE else 0
         if n + extra > self.max_model_len:
-            return (
+            return EngineError.INVALID, (
                 f"prompt ({n} tokens) + max_tokens ({extra}) = {n + extra} exceeds the "
                 f"model's context of {self.max_model_len} tokens: shorten the prompt or "
                 "lower max_tokens"
             )
         if self.pool.blocks_for(n + extra) > self.pool.num_usable:
-            return (
+            return EngineError.OUT_OF_MEMORY, (
                 f"request needs {self.pool.blocks_for(n + extra)} KV blocks but the pool has "
                 f"{self.pool.num_usable}: raise kv_cache_bytes or shorten the request"
             )
@@ -335,5 +358,11 @@ class _Budget:
         self.seqs -= 1
 
 
-def _finished(request_id: str, reason: FinishReason, error: str) -> EngineOutput:
-    return EngineOutput(request_id=request_id, finished=True, finish_reason=reason, error=error)
+def _failed(request_id: str, code: EngineError, error: str) -> EngineOutput:
+    return EngineOutput(
+        request_id=request_id,
+        finished=True,
+        finish_reason=FinishReason.ERROR,
+        error=error,
+        error_code=code,
+    )

@@ -27,7 +27,6 @@ class Sequence:
     first_token_s: float | None = None  # monotonic
     num_emitted: int = 0  # output tokens already sent to the client
     finish_reason: FinishReason | None = None
-    error: str | None = None
     order: int = 0  # arrival counter: FIFO tie-break
 
     @classmethod

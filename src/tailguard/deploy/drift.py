@@ -57,7 +57,6 @@ SERVER_KEYS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "engine_threads",
-    "http_server",
     "backlog",
     "max_body_bytes",
 )
@@ -102,7 +101,6 @@ WHY: dict[str, str] = {
     "max_queued_tokens": "admission limit in tokens: a deep queue is a late answer",
     "max_num_seqs": "batch capacity: sequences per engine step",
     "max_num_batched_tokens": "tokens per engine step: longer steps delay every running request",
-    "http_server": "the HTTP front-end (accept behaviour at 10k connections differs)",
     "backlog": "listen backlog: a small one overflows when thousands connect at once",
     "max_body_bytes": "largest request body accepted",
 }

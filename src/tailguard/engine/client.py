@@ -18,14 +18,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import zmq
 
-from tailguard.core.request import EngineOutput, EngineRequest
+from tailguard.core.request import EngineRequest
 from tailguard.core.stats import EngineStats, StepStats
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.protocol import (
@@ -37,6 +35,7 @@ from tailguard.engine.protocol import (
     ShutdownMsg,
     UpdateMsg,
 )
+from tailguard.engine.router import RequestRouter, RoutedClient
 from tailguard.errors import EngineUnavailableError
 
 STARTUP_TIMEOUT_S = 600.0  # loading + warm-up of a large checkpoint can take minutes
@@ -50,7 +49,7 @@ def _fd(sock: zmq.Socket[bytes]) -> int:
     return fd
 
 
-class EngineClient:
+class EngineClient(RoutedClient):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._stats = EngineStats()
@@ -58,8 +57,7 @@ class EngineClient:
         self._ready = False
         self._restarts = 0
         self._closing = False
-        self._queues: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
-        self._waiters: dict[str, asyncio.Future[EngineOutput]] = {}  # single-pass requests
+        self._router = RequestRouter(self._send_add, self._send_abort)
         self._proc: subprocess.Popen[bytes] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._ipc_dir = tempfile.mkdtemp(prefix="tailguard-ipc-")
@@ -73,7 +71,6 @@ class EngineClient:
         self.max_model_len = 0
         self.num_kv_blocks = 0
         self.last_error: str | None = None
-        self.on_output: Callable[[EngineOutput], None] | None = None
 
     # ---- protocol properties ---------------------------------------------------------------
     @property
@@ -81,14 +78,6 @@ class EngineClient:
         s = self._stats
         s.recent_steps, self._unread_steps = self._unread_steps, []  # each step handed over once
         return s
-
-    @property
-    def ready(self) -> bool:
-        return self._ready
-
-    @property
-    def restarts(self) -> int:
-        return self._restarts
 
     @property
     def pid(self) -> int | None:
@@ -207,20 +196,7 @@ class EngineClient:
 
     def _dispatch(self, msg: FromEngine) -> None:
         if isinstance(msg, UpdateMsg):
-            now = time.monotonic()
-            listener = self.on_output
-            for out in msg.outputs:
-                out.received_s = now
-                if listener is not None:  # the admission ledger: before any handler runs
-                    listener(out)
-                w = self._waiters.pop(out.request_id, None) if out.finished else None
-                if w is not None:
-                    if not w.done():
-                        w.set_result(out)
-                    continue
-                q = self._queues.get(out.request_id)
-                if q is not None:
-                    q.put_nowait(out)
+            self._router.deliver(msg.outputs)
             if msg.stats is not None:
                 self._take_stats(msg.stats)
         elif isinstance(msg, ReadyMsg):
@@ -269,61 +245,22 @@ class EngineClient:
             self._loop.remove_reader(_fd(self._pull))
 
     def _fail_all(self, why: str) -> None:
-        for q in self._queues.values():
-            q.put_nowait(EngineUnavailableError(why))
-        waiters, self._waiters = self._waiters, {}
-        for w in waiters.values():
-            if not w.done():
-                w.set_exception(EngineUnavailableError(why))
+        self._router.fail_all(why)
 
     # ---- requests -------------------------------------------------------------------------
-    async def submit(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        if not self._ready or self._push is None:
-            raise EngineUnavailableError(
-                self.last_error or "engine is not ready yet; retry shortly"
-            )
-        rid = request.request_id
-        if rid in self._queues:
-            raise ValueError(f"request id {rid!r} is already in flight")
-        q: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
-        self._queues[rid] = q
-        self._push.send(self._encode(AddMsg(request=request)))
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine that held it is gone
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._queues.pop(rid, None)
-            if not finished:
-                self._send_abort(rid)
-
-    async def run(self, request: EngineRequest) -> EngineOutput:
-        if not self._ready or self._push is None:
-            raise EngineUnavailableError(
-                self.last_error or "engine is not ready yet; retry shortly"
-            )
-        rid = request.request_id
-        if rid in self._waiters or rid in self._queues:
-            raise ValueError(f"request id {rid!r} is already in flight")
-        fut: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
-        self._waiters[rid] = fut
-        self._push.send(self._encode(AddMsg(request=request)))
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            if self._waiters.pop(rid, None) is not None:
-                self._send_abort(rid)
-            raise
-
     async def abort(self, request_id: str) -> None:
         self._send_abort(request_id)
+
+    def _check_ready(self) -> None:
+        if not self._ready or self._push is None:
+            raise EngineUnavailableError(
+                self.last_error or "engine is not ready yet; retry shortly"
+            )
+
+    def _send_add(self, request: EngineRequest) -> None:
+        if self._push is None:
+            raise EngineUnavailableError(self.last_error or "engine is not ready yet; retry")
+        self._push.send(self._encode(AddMsg(request=request)))
 
     def _send_abort(self, request_id: str) -> None:
         if self._push is not None and self._ready:

@@ -63,6 +63,8 @@ class EngineConfig:
     max_restarts: int = 3
     """Engine process restarts before the server gives up (stays not-ready)."""
     seed: int = 0
+    """Seed of the sampling generator for requests without a `seed` of their own (the same
+    seed and the same requests in the same order sample the same tokens)."""
     warmup: bool = True
     """Run every bucket shape once before reporting ready."""
     prepack_weights: bool = True

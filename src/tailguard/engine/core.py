@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from tailguard.core.block_pool import BlockPool
+from tailguard.core.gc_timer import GCTimer
 from tailguard.core.request import EngineOutput, EngineRequest
 from tailguard.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SeqResult
 from tailguard.core.stats import AllocatorStats, EngineStats, StepStats
@@ -24,23 +25,6 @@ from tailguard.engine.config import EngineConfig
 from tailguard.engine.runner import ModelRunner
 
 EWMA = 0.2  # weight of the newest step in the recent step-time / throughput averages
-
-
-class GCTimer:
-    """Times every garbage-collector pause through gc.callbacks."""
-
-    def __init__(self) -> None:
-        self.pause_s_total = 0.0
-        self.collections = 0
-        self._t0 = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.pause_s_total += time.perf_counter() - self._t0
-            self.collections += 1
 
 
 class EngineCore:
@@ -169,35 +153,27 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         """A snapshot; takes the steps recorded since the previous snapshot."""
-        sched = self.scheduler
         recent, self._recent = self._recent, []
         cpu = self._process.cpu_times()
         alloc: AllocatorStats = allocator_stats(self.runner.device, self._process.memory_info().rss)
-        return EngineStats(
-            t_s=time.monotonic(),
-            steps_total=self.steps,
-            waiting=sched.num_waiting,
-            running=sched.num_running,
-            waiting_tokens=sched.pending_tokens(),
-            kv_blocks_total=sched.pool.num_usable,
-            kv_blocks_used=sched.pool.num_used,
-            preemptions_total=sched.counters.preemptions,
-            expired_total=sched.counters.expired,
-            aborted_total=sched.counters.aborted,
-            finished_total=sched.counters.finished,
-            oom_retries_total=self.oom_retries,
-            oom_failures_total=self.oom_failures,
-            kv_allocations_total=self.runner.device_allocations(),
-            distinct_shapes=self.runner.shapes.known,
-            warmup_done=self.warmup_done,
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            gc_pause_s_total=self.gc_timer.pause_s_total,
-            gc_collections_total=self.gc_timer.collections,
-            cpu_seconds_total=cpu.user + cpu.system,
-            intra_op_threads=torch.get_num_threads(),
-            tokens_per_s=self._tokens_per_s,
-            step_s_ewma=self._step_s_ewma,
-            recent_steps=recent,
-            allocator=alloc,
+        return self.scheduler.fill_stats(
+            EngineStats(
+                t_s=time.monotonic(),
+                steps_total=self.steps,
+                oom_retries_total=self.oom_retries,
+                oom_failures_total=self.oom_failures,
+                kv_allocations_total=self.runner.device_allocations(),
+                distinct_shapes=self.runner.shapes.known,
+                warmup_done=self.warmup_done,
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                gc_pause_s_total=self.gc_timer.pause_s_total,
+                gc_collections_total=self.gc_timer.collections,
+                cpu_seconds_total=cpu.user + cpu.system,
+                intra_op_threads=torch.get_num_threads(),
+                tokens_per_s=self._tokens_per_s,
+                step_s_ewma=self._step_s_ewma,
+                recent_steps=recent,
+                allocator=alloc,
+            )
         )

@@ -81,6 +81,9 @@ class ModelRunner:
         self.layout = self._allocate_kv()
         self._pool_sums: dict[str, torch.Tensor] = {}  # request id -> running hidden sum (fp32)
         self._generators: dict[str, torch.Generator] = {}  # seeded sampling, per request
+        # requests without a seed of their own sample from one generator seeded from the
+        # engine's `seed`: a restarted engine given the same work samples the same tokens
+        self._rng = torch.Generator(device=self.device).manual_seed(config.seed)
         self._oom_ids = frozenset((config.oom_test_hook or "").split(",")) - {""}
 
     # ---- memory --------------------------------------------------------------------------
@@ -297,12 +300,13 @@ class ModelRunner:
             sorted_p, order = probs.sort(descending=True)
             keep = sorted_p.cumsum(-1) - sorted_p < sp.top_p  # always keeps the best token
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-        gen = None
+        gen = self._rng
         if sp.seed is not None:
-            gen = self._generators.get(req.request_id)
-            if gen is None:
-                gen = torch.Generator(device=self.device).manual_seed(sp.seed)
-                self._generators[req.request_id] = gen
+            own = self._generators.get(req.request_id)
+            if own is None:
+                own = torch.Generator(device=self.device).manual_seed(sp.seed)
+                self._generators[req.request_id] = own
+            gen = own
         return int(torch.multinomial(probs, 1, generator=gen).item())
 
 

@@ -1,10 +1,11 @@
-"""The application: routing, auth, errors, and the operational endpoints.
+"""The application: routing, auth, errors, background work, and the operational endpoints.
 
 No framework and no ASGI: on this machine FastAPI served about a third of the requests per
 second of a raw ASGI app, and a minimal httptools protocol about four times a raw ASGI app on
 uvicorn (tailguard.server.http). The connection reads a whole request (body bounded), builds a
-`Call` and awaits `App.handle(call)`: route -> auth/quota -> handler
-(handlers.py) -> one answer, timed from "request read" to "response written" for
+`Call` (call.py) and awaits `App.handle(call)`: route -> auth/quota -> handler (handlers.py,
+generate.py: thin adapters on the request pipeline, pipeline.py, built here once) -> one
+answer, timed from "request read" to "response written" for
 `mistral_inference_latency_seconds`. The engine runs in another process; nothing here imports
 torch.
 """
@@ -20,12 +21,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
 
 import orjson
 
 from tailguard.core.admission import AdmissionController
-from tailguard.core.calibration import EDGES_S, RecentMax
+from tailguard.core.calibration import EDGES_S
 from tailguard.core.engine_api import EngineClientProtocol
 from tailguard.core.request import EngineOutput
 from tailguard.errors import (
@@ -36,10 +36,13 @@ from tailguard.errors import (
     TailguardError,
     UnauthorizedError,
 )
+from tailguard.server import generate, handlers
 from tailguard.server.cache import ResponseCache
+from tailguard.server.call import JSON, Call
 from tailguard.server.config import ServerConfig
 from tailguard.server.errors import error_answer
 from tailguard.server.metrics import CONTENT_TYPE, ServerMetrics
+from tailguard.server.pipeline import Pipeline
 from tailguard.server.quota import ClientQuota, bearer_token
 from tailguard.server.schemas import openapi_document
 from tailguard.server.tokenizer import ModelInfo
@@ -48,80 +51,10 @@ __all__ = ["App", "Call"]
 
 log = logging.getLogger("tailguard.server")
 
-JSON = [(b"content-type", b"application/json")]
 # tailguard_rejections_total{reason}: refusals, as opposed to failures (oom, internal)
 REJECTION_REASONS = frozenset(
     {"overloaded", "expired", "invalid", "unauthorized", "quota", "engine_down", "not_found"}
 )
-
-
-class Conn(Protocol):
-    """Where a Call's answer goes: the HTTP connection (tailguard.server.http.HttpProtocol), or
-    a recorder in in-process tests. It frames the bytes; Call decides what to say."""
-
-    def send_response(
-        self, call: Call, status: int, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> None: ...
-
-    def send_head(self, call: Call, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
-
-    async def send_chunk(self, call: Call, data: bytes, more: bool) -> None: ...
-
-
-@dataclass(eq=False, slots=True)
-class Call:
-    """One HTTP request on its way through the server: built by the connection once the whole
-    request is read, handed to `App.handle`, answered through `conn`."""
-
-    method: str
-    path: str
-    headers: dict[bytes, bytes]  # lower-case names; repeated headers joined with ", "
-    body: bytes
-    client: str  # peer address (for per-client quotas)
-    conn: Conn
-    keep_alive: bool = True  # the connection stays open after the answer
-    endpoint: str = ""  # metric label: completions, chat, embeddings, infer ("" for ops endpoints)
-    task: asyncio.Task[None] | None = None  # the task handling this request
-    error: TailguardError | None = None  # found while reading (413): answered without a handler
-    t_arrival: float = 0.0  # time.monotonic() when its first bytes were read from the socket
-    t_read: float = 0.0  # time.monotonic() when the handler started on the read request
-    outcome: str = "ok"  # metric label of the answer
-    started: bool = False  # response headers sent
-    done: bool = False  # the whole answer sent
-    extra_headers: tuple[tuple[bytes, bytes], ...] = ()  # added to every response's headers
-    disconnected: bool = False  # the client went away
-
-    def disconnect(self) -> None:
-        """The client is gone: cancel the handler (closing the engine stream aborts the request)."""
-        self.disconnected = True
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
-
-    def header(self, name: bytes) -> str | None:
-        v = self.headers.get(name)
-        return v.decode("latin-1") if v is not None else None
-
-    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        """Send the status and headers of a streamed answer (chunked transfer encoding)."""
-        self.started = True
-        if self.extra_headers:
-            headers = [*headers, *self.extra_headers]
-        self.conn.send_head(self, status, headers)
-
-    async def body_part(self, data: bytes, more: bool) -> None:
-        if not more:
-            self.done = True
-        await self.conn.send_chunk(self, data, more)
-
-    def respond(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = JSON) -> None:
-        """Send a whole answer (one write on a socket)."""
-        self.started = self.done = True
-        if self.extra_headers:
-            headers = [*headers, *self.extra_headers]
-        self.conn.send_response(self, status, headers, body)
-
-    def respond_json(self, obj: Any, status: int = 200) -> None:
-        self.respond(status, orjson.dumps(obj))
 
 
 Handler = Callable[[Call], Awaitable[None]]
@@ -143,8 +76,6 @@ class App:
         model: ModelInfo,
         metrics: ServerMetrics | None = None,
     ) -> None:
-        from tailguard.server import handlers  # the endpoint logic
-
         self.config = config
         self.engine = engine
         self.model = model
@@ -153,9 +84,11 @@ class App:
             config.sla_ms / 1e3, config.engine_config.max_num_seqs
         )
         self.admission = AdmissionController(config.admission_config())
-        self.delivery = RecentMax(window_s=0.25)  # engine client read it -> handler resumed (s)
         engine.on_output = self._on_engine_output
         self.cache = ResponseCache(config.cache_max_entries, config.cache_max_bytes)
+        self.pipeline = p = Pipeline(
+            config, engine, model, self.admission, self.cache, self.metrics
+        )
         self.quota = ClientQuota(
             config.client_quota_rps,
             config.client_quota_burst,
@@ -167,16 +100,13 @@ class App:
         self._tasks: list[asyncio.Task[None]] = []
         self._engine_started = False
         self._openapi: bytes | None = None
-        self._token_text: dict[int, str] = {}
         self.routes: dict[str, Route] = {
             "/v1/completions": Route(
-                ("POST",), partial(handlers.completions, self), "completions", True
+                ("POST",), partial(generate.completions, p), "completions", True
             ),
-            "/v1/chat/completions": Route(("POST",), partial(handlers.chat, self), "chat", True),
-            "/v1/embeddings": Route(
-                ("POST",), partial(handlers.embeddings, self), "embeddings", True
-            ),
-            "/v1/infer": Route(("POST",), partial(handlers.infer, self), "infer", True),
+            "/v1/chat/completions": Route(("POST",), partial(generate.chat, p), "chat", True),
+            "/v1/embeddings": Route(("POST",), partial(handlers.embeddings, p), "embeddings", True),
+            "/v1/infer": Route(("POST",), partial(handlers.infer, p), "infer", True),
             "/v1/models": Route(("GET",), self._models, "", True),
             "/health": Route(("GET",), self._health),
             "/ready": Route(("GET",), self._ready),
@@ -244,7 +174,9 @@ class App:
             await asyncio.sleep(period)
             lag = max(time.perf_counter() - t - period, 0.0)
             lag_avg = 0.7 * lag_avg + 0.3 * lag
-            self.admission.frontend_delay_s = max(lag_avg, self.delivery.value(time.monotonic()))
+            self.admission.frontend_delay_s = max(
+                lag_avg, self.pipeline.delivery.value(time.monotonic())
+            )
             try:
                 s = self.engine.stats
                 new = self.metrics.observe_engine(
@@ -348,21 +280,6 @@ class App:
             except UnauthorizedError as e:
                 return e
         return None
-
-    def token_text(self, token_id: int) -> str:
-        """One token's text, memoised: top-k answers decode the same few ids over and over."""
-        text = self._token_text.get(token_id)
-        if text is None:
-            if len(self._token_text) > 65_536:
-                self._token_text.clear()
-            text = self._token_text[token_id] = self.model.tokenizer.decode([token_id])
-        return text
-
-    def require_engine(self) -> None:
-        if not self.engine.ready:
-            raise EngineUnavailableError(
-                "engine is not ready (warming up, or restarting after a crash); retry shortly"
-            )
 
     # ---- operational endpoints --------------------------------------------------------------
     async def _health(self, call: Call) -> None:

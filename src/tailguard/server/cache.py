@@ -1,10 +1,11 @@
-"""Graceful degradation: a bounded exact-match cache of deterministic responses.
+"""Graceful degradation: a bounded exact-match cache of deterministic answers.
 
 Only requests whose answer cannot change are stored (temperature 0 or a fixed seed; embeddings and
 single-pass queries always). The cache is consulted only when the server would otherwise fail the
 request (overload rejection, out-of-memory), never on the normal path, so a cached answer is
 never preferred to a fresh one. `Cache-Control: no-cache` opts a request out of being served from
-the cache, `no-store` out of being stored.
+the cache, `no-store` out of being stored. It holds an answer's deterministic payload only
+(choices, data, usage): the envelope (id, created, timing) is made fresh for every answer.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ class ResponseCache:
         self.max_bytes = max_bytes
         self._data: OrderedDict[bytes, bytes] = OrderedDict()
         self._bytes = 0
-        self.hits = 0
 
     @property
     def enabled(self) -> bool:
@@ -30,20 +30,19 @@ class ResponseCache:
         return len(self._data)
 
     def get(self, key: bytes) -> bytes | None:
-        body = self._data.get(key)
-        if body is not None:
+        payload = self._data.get(key)
+        if payload is not None:
             self._data.move_to_end(key)
-            self.hits += 1
-        return body
+        return payload
 
-    def put(self, key: bytes, body: bytes) -> None:
-        size = len(key) + len(body)
+    def put(self, key: bytes, payload: bytes) -> None:
+        size = len(key) + len(payload)
         if not self.enabled or size > self.max_bytes:
             return
         old = self._data.pop(key, None)
         if old is not None:
             self._bytes -= len(key) + len(old)
-        self._data[key] = body
+        self._data[key] = payload
         self._bytes += size
         while len(self._data) > self.max_entries or self._bytes > self.max_bytes:
             k, v = self._data.popitem(last=False)  # least recently used

@@ -54,10 +54,10 @@ def _metavar(type_text: str) -> str:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     known = settings()
     overrides: dict[str, Any] = {}
-    for name, (_owner, type_text, _d, _doc) in known.items():
+    for name in known:
         value = getattr(args, name, None)
         if value is not None:
-            overrides[name] = convert(name, type_text, value)
+            overrides[name] = convert(name, value)
     return load_config(args.config, overrides)
 
 
@@ -68,13 +68,14 @@ def make_engine(cfg: ServerConfig) -> EngineClientProtocol:
 
         return StubEngineClient(e.max_num_seqs, e.max_num_batched_tokens)
     if cfg.engine == "simulated":
-        from tailguard.server.stub import SimulatedEngineClient
+        from tailguard.server.simulated import SimulatedEngineClient
 
         return SimulatedEngineClient(
             tokens_per_s=cfg.simulated_tokens_per_s,
             step_overhead_s=cfg.simulated_step_overhead_ms / 1e3,
             max_num_seqs=e.max_num_seqs,
             max_num_batched_tokens=e.max_num_batched_tokens,
+            max_model_len=e.max_model_len or 4096,
             max_restarts=e.max_restarts,
         )
     try:

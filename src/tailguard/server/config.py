@@ -17,10 +17,13 @@ import ipaddress
 import itertools
 import os
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from tailguard.core.admission import AdmissionConfig
 from tailguard.engine.config import EngineConfig
@@ -55,8 +58,6 @@ class ServerConfig:
     api_key: str | None = None
     """If set, every /v1 request needs `Authorization: Bearer <key>` (else 401). Also read from
     the TAILGUARD_API_KEY environment variable."""
-    http_server: str = "httptools"
-    """HTTP server: tailguard's own HTTP/1.1 on uvloop + httptools (server/http.py)."""
     backlog: int = 16384
     """listen() backlog. The kernel caps it at net.core.somaxconn; raise that too for bursts."""
     keepalive_timeout_s: int = 75
@@ -158,10 +159,6 @@ class ServerConfig:
         need(
             self.engine in ("real", "stub", "simulated"),
             f"engine={self.engine!r}: use real, stub or simulated",
-        )
-        need(
-            self.http_server == "httptools",
-            f"http_server={self.http_server!r}: use httptools (the only one)",
         )
         need(self.backlog >= 1, f"backlog={self.backlog}: must be >= 1")
         need(
@@ -289,12 +286,6 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-# EngineConfig fields that carry no docstring there (the engine's file is not ours to edit).
-_UNDOCUMENTED_ENGINE_FIELDS = {
-    "seed": "Engine RNG seed for sampling without a per-request seed.",
-}
-
-
 def settings() -> dict[str, tuple[type, str, Any, str]]:
     """name -> (owner class, type annotation text, default, doc) for every setting."""
     out: dict[str, tuple[type, str, Any, str]] = {}
@@ -306,43 +297,38 @@ def settings() -> dict[str, tuple[type, str, Any, str]]:
             if f.name == "engine_config":
                 continue
             name = inverse.get(f.name, f.name) if cls is EngineConfig else f.name
-            doc = docs.get(f.name) or _UNDOCUMENTED_ENGINE_FIELDS.get(f.name, "")
+            doc = docs.get(f.name, "")
             out[name] = (cls, str(f.type), getattr(defaults, f.name), doc)
     return out
 
 
-def convert(name: str, type_text: str, value: Any) -> Any:
-    """Coerce a TOML value or a flag string to the setting's type; say which setting is wrong."""
-    optional = "None" in type_text
-    base = type_text.replace("| None", "").strip()
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("", "none")):
-        if optional:
+@cache
+def _setting_types() -> dict[str, Any]:
+    """name -> the setting's type (resolved, not its annotation text)."""
+    inverse = {v: k for k, v in ENGINE_ALIASES.items()}
+    out: dict[str, Any] = {}
+    for cls in (ServerConfig, EngineConfig):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name != "engine_config":
+                out[inverse.get(f.name, f.name) if cls is EngineConfig else f.name] = hints[f.name]
+    return out
+
+
+def convert(name: str, value: Any) -> Any:
+    """Coerce a TOML value or a flag string to the setting's type (msgspec, lax: "12" is an
+    int, "true" or "1" a bool, "a,b" a tuple of two); say which setting is wrong."""
+    kind = _setting_types()[name]
+    if isinstance(value, str):
+        if type(None) in typing.get_args(kind) and value.strip().lower() in ("", "none"):
             return None
-        raise ConfigError(f"{name}: a value is required")
+        is_tuple = any(typing.get_origin(t) is tuple for t in (kind, *typing.get_args(kind)))
+        if is_tuple:
+            value = [x.strip() for x in value.split(",") if x.strip()]
     try:
-        if base.startswith("tuple[str"):
-            items = value.split(",") if isinstance(value, str) else list(value)
-            return tuple(str(x).strip() for x in items if str(x).strip())
-        if base.startswith("tuple"):
-            items = value.split(",") if isinstance(value, str) else list(value)
-            return tuple(int(x) for x in items)
-        if base == "bool":
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("1", "true", "yes", "on"):
-                return True
-            if str(value).lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-        if base == "int":
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            return int(value)
-        if base == "float":
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r}: expected {type_text}") from None
+        return msgspec.convert(value, kind, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{name}={value!r}: expected {settings()[name][1]} ({e})") from None
 
 
 def load_config(path: str | None, overrides: dict[str, Any]) -> ServerConfig:
@@ -364,7 +350,7 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> ServerConfig:
                     f"config file {path}: unknown setting {key!r}; "
                     "see `tailguard serve --help` or docs/server.md"
                 )
-            values[name] = convert(name, known[name][1], value)
+            values[name] = convert(name, value)
     values.update({k: v for k, v in overrides.items() if v is not None})
     if "api_key" not in values and os.environ.get("TAILGUARD_API_KEY"):
         values["api_key"] = os.environ["TAILGUARD_API_KEY"]

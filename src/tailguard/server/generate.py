@@ -1,75 +1,74 @@
-"""Completions and chat: one generation, streamed as SSE or answered as one JSON body.
+"""/v1/completions and /v1/chat/completions: one generation, streamed as SSE or answered as one
+JSON body, on the request pipeline (pipeline.py).
 
 Stop strings are matched on the detokenized text in this process (the engine knows only stop
-token ids); a match ends the response and aborts the engine request. While streaming, text that
-could be the start of a stop string is held back until it is known not to be one.
+token ids; see text.py); a match ends the response and aborts the engine request.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from tailguard.core.request import FinishReason, Priority, RequestKind, SamplingParams
-from tailguard.errors import TailguardError
-from tailguard.server import flow
+from tailguard.core.request import EngineOutput, FinishReason, RequestKind, SamplingParams
+from tailguard.errors import InvalidRequestError, TailguardError
+from tailguard.server.call import SSE, Call
 from tailguard.server.errors import error_answer
-from tailguard.server.schemas import ChatRequest, CompletionRequest
+from tailguard.server.pipeline import Job, Pipeline, Ticket
+from tailguard.server.schemas import ChatRequest, CompletionRequest, decode
+from tailguard.server.text import GeneratedText
 
-if TYPE_CHECKING:
-    from tailguard.server.app import App, Call
+__all__ = ["chat", "completions"]
 
-__all__ = ["run_generation"]
-
-SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses the context left (<= 512)
+CHAT_MARKER_BYTES = 16  # per message: what a chat template adds around it, at most
 
 
-class _Text:
-    """Incremental detokenization with stop-string matching and hold-back."""
-
-    def __init__(self, app: App, stops: list[str]) -> None:
-        self.tok = app.model.tokenizer
-        self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.ids: list[int] = []
-        self.text = ""
-        self.emitted = 0
-        self.stopped = False
-
-    def add(self, new_ids: list[int], final: bool) -> str:
-        """Feed tokens; return the text that is now safe to send."""
-        if self.stopped:
-            return ""
-        self.ids.extend(new_ids)
-        self.text = self.tok.decode(self.ids)
-        hits = [
-            i for s in self.stops if (i := self.text.find(s, max(self.emitted - len(s), 0))) >= 0
-        ]
-        if hits:  # the earliest stop string wins
-            self.text = self.text[: min(hits)]
-            self.stopped = True
-        end = len(self.text)
-        if not (final or self.stopped):
-            end -= self.hold
-            if self.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
-                end = min(end, len(self.text) - 1)
-        if end <= self.emitted:
-            return ""
-        delta = self.text[self.emitted : end]
-        self.emitted = end
-        return delta
+async def completions(p: Pipeline, call: Call) -> None:
+    req = decode(call.body, CompletionRequest)
+    p.check_model(req.model)
+    job = _job(p, call, req, chat=False)
+    if isinstance(req.prompt, str):
+        if p.shed_before_tokenizing(call, job, len(req.prompt.encode())):
+            return  # answered from the degradation cache
+        ids = tuple(p.model.tokenizer.encode(req.prompt, add_bos=True))
+    else:
+        ids = p.check_ids(req.prompt, "prompt")
+    await Generation(p, call, req, job, ids, chat=False).run()
 
 
-def _finish_name(reason: FinishReason | None, stopped: bool) -> str:
-    return "stop" if stopped or reason == FinishReason.STOP else "length"
+async def chat(p: Pipeline, call: Call) -> None:
+    req = decode(call.body, ChatRequest)
+    p.check_model(req.model)
+    job = _job(p, call, req, chat=True)
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    size = sum(len(m["content"].encode()) + CHAT_MARKER_BYTES for m in messages)
+    if p.shed_before_tokenizing(call, job, size):
+        return  # answered from the degradation cache
+    try:
+        ids = tuple(p.model.tokenizer.apply_chat_template(messages))
+    except (ValueError, KeyError, TypeError) as e:
+        raise InvalidRequestError(f"messages: {e}", param="messages") from None
+    await Generation(p, call, req, job, ids, chat=True).run()
 
 
-def _deterministic(req: CompletionRequest | ChatRequest) -> bool:
-    return req.temperature == 0 or req.seed is not None
+def _job(p: Pipeline, call: Call, req: CompletionRequest | ChatRequest, *, chat: bool) -> Job:
+    """The Job before tokenizing: its output tokens count for the shed rule (chat's default,
+    the context left, always fits: one token is counted for it)."""
+    deterministic = req.temperature == 0 or req.seed is not None
+    job = p.job(
+        call,
+        RequestKind.GENERATE,
+        req,
+        endpoint="chat" if chat else "completions",
+        obj="chat.completion" if chat else "text_completion",
+        deterministic=deterministic and not req.stream,  # a stream is never cached
+    )
+    job.output_tokens = _max_tokens(req, chat=chat, context_left=1)
+    return job
 
 
 def _max_tokens(req: CompletionRequest | ChatRequest, *, chat: bool, context_left: int) -> int:
@@ -83,186 +82,137 @@ def _max_tokens(req: CompletionRequest | ChatRequest, *, chat: bool, context_lef
     return DEFAULT_MAX_TOKENS if not chat else max(1, min(512, context_left))
 
 
-def shed_before_tokenizing(
-    app: App, call: Call, req: CompletionRequest | ChatRequest, *, chat: bool, prompt_bytes: int
-) -> bool:
-    """Turn a generation away before tokenizing it when not even a one-token request would be
-    admitted now (chat templates cost more than the rest of the request path together). True
-    when it was answered from the degradation cache instead; raises OverloadedError otherwise.
+class Generation:
+    """One generation request, tokenized: admitted, run, and answered (JSON or SSE)."""
 
-    Only for a prompt that cannot run past the context whatever its tokens (no tokenizer makes
-    more tokens than UTF-8 bytes; 16 per message for a chat template's markers): such a request
-    gets its 400, not a 503, whatever the load.
-    """
-    # chat's default output (the context left) always fits: count one token for it
-    max_tokens = _max_tokens(req, chat=chat, context_left=1)
-    if prompt_bytes + 8 + max_tokens > app.model.max_model_len:
-        return False
-    endpoint = "chat" if chat else "completions"
-    return flow.shed(
-        app,
-        call,
-        flow.deadline(app, call, req.timeout),
-        flow.priority(app, call, req.priority),
-        single_pass=False,
-        key=lambda: (
-            None if req.stream else flow.cache_key(app, call, endpoint, req, _deterministic(req))
-        ),
-    )
-
-
-async def run_generation(
-    app: App, call: Call, req: CompletionRequest | ChatRequest, ids: tuple[int, ...], *, chat: bool
-) -> None:
-    max_tokens = _max_tokens(req, chat=chat, context_left=app.model.max_model_len - len(ids))
-    flow.check_context(app, len(ids), max_tokens, "max_tokens")
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    deadline = flow.deadline(app, call, req.timeout)
-    priority = flow.priority(app, call, req.priority)
-    sampling = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        seed=req.seed,
-        ignore_eos=req.ignore_eos,
-    )
-    endpoint = "chat" if chat else "completions"
-    deterministic = _deterministic(req)
-    created = int(time.time())
-    obj = "chat.completion" if chat else "text_completion"
-
-    def admit() -> flow.Admitted:
-        return flow.admit(
-            app,
-            call,
-            ids=ids,
-            kind=RequestKind.GENERATE,
-            deadline_s=deadline,
-            priority=priority,
-            output_tokens=max_tokens,
-            sampling=sampling,
+    def __init__(
+        self,
+        p: Pipeline,
+        call: Call,
+        req: CompletionRequest | ChatRequest,
+        job: Job,
+        ids: tuple[int, ...],
+        *,
+        chat: bool,
+    ) -> None:
+        self.p, self.call, self.req, self.job, self.chat = p, call, req, job, chat
+        job.ids = ids
+        job.output_tokens = _max_tokens(
+            req, chat=chat, context_left=p.model.max_model_len - len(ids)
         )
+        p.check_context(len(ids), job.output_tokens, "max_tokens")
+        job.sampling = SamplingParams(
+            max_tokens=job.output_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+        )
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        self.text = GeneratedText(p.model.tokenizer, stops)
+        self.n_out = 0
+        self.reason: FinishReason | None = None
+        self.first_s: float | None = None  # monotonic: the first token arrived
+        self._head: dict[str, Any] = {}  # SSE: every event's envelope
 
-    def usage(n_out: int) -> dict[str, int]:
+    async def run(self) -> None:
+        if self.req.stream:
+            await self._stream()
+        else:
+            await self.p.answer(self.call, self.job, self._compute)
+
+    def _take(self, out: EngineOutput) -> str:
+        """One engine output: count it, time it, and return the text now safe to send."""
+        if self.first_s is None and out.new_token_ids:
+            self.first_s = time.monotonic()
+            self.p.metrics.queue_for(self.job.priority).observe(out.queue_s)
+        self.n_out = out.num_output_tokens or self.n_out + len(out.new_token_ids)
+        self.reason = out.finish_reason
+        return self.text.add(out.new_token_ids, out.finished)
+
+    def _finished(self) -> str:
+        """The OpenAI finish_reason; observes the generation's TTFT and TPOT."""
+        m, first = self.p.metrics, self.first_s
+        if first is not None:
+            m.ttft.labels("chat" if self.chat else "completions").observe(
+                max(first - self.call.t_read, 0.0)
+            )
+            if self.n_out > 1:
+                m.tpot.observe((time.monotonic() - first) / (self.n_out - 1))
+        return "stop" if self.text.stopped or self.reason == FinishReason.STOP else "length"
+
+    def _usage(self) -> dict[str, int]:
+        n_in = len(self.job.ids)
         return {
-            "prompt_tokens": len(ids),
-            "completion_tokens": n_out,
-            "total_tokens": len(ids) + n_out,
+            "prompt_tokens": n_in,
+            "completion_tokens": self.n_out,
+            "total_tokens": n_in + self.n_out,
         }
 
-    def observe_timing(first_s: float | None, last_s: float, n_out: int) -> None:
-        if first_s is None:
-            return
-        app.metrics.ttft.labels(endpoint).observe(max(first_s - call.t_read, 0.0))
-        if n_out > 1:
-            app.metrics.tpot.observe((last_s - first_s) / (n_out - 1))
-
-    if not req.stream:
-
-        async def compute() -> bytes:
-            adm = admit()
-            text = _Text(app, stops)
-            n_out, reason, first_s = 0, None, None
-            async with contextlib.aclosing(flow.outputs(app, call, adm)) as it:
-                async for out in it:
-                    if first_s is None and out.new_token_ids:
-                        first_s = time.monotonic()
-                        app.metrics.queue_for(priority).observe(out.queue_s)
-                    n_out = out.num_output_tokens or n_out + len(out.new_token_ids)
-                    text.add(out.new_token_ids, out.finished)
-                    reason = out.finish_reason
-                    if text.stopped:
-                        break  # leaving the loop aborts the engine request
-            observe_timing(first_s, time.monotonic(), n_out)
-            finish = _finish_name(reason, text.stopped)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text.text}
-            else:
-                choice["text"] = text.text
-            return orjson.dumps(
-                {
-                    "id": adm.request.request_id,
-                    "object": obj,
-                    "created": created,
-                    "model": app.model_name,
-                    "choices": [choice],
-                    "usage": usage(n_out),
-                }
-            )
-
-        await flow.answer(
-            app, call, flow.cache_key(app, call, endpoint, req, deterministic), compute
-        )
-        return
-
-    await _stream(app, call, req, admit, stops, chat, created, usage, observe_timing, priority)
-
-
-async def _stream(
-    app: App,
-    call: Call,
-    req: CompletionRequest | ChatRequest,
-    admit: Any,
-    stops: list[str],
-    chat: bool,
-    created: int,
-    usage: Any,
-    observe_timing: Any,
-    priority: Priority,
-) -> None:
-    """SSE: headers go out with the first token, so admission or expiry errors keep a status."""
-    adm = admit()
-    rid = adm.request.request_id
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    text = _Text(app, stops)
-
-    def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        body = {"id": rid, "object": obj, "created": created, "model": app.model_name}
-        return b"data: " + orjson.dumps({**body, "choices": choices, **extra}) + b"\n\n"
-
-    def chunk(delta: str | None, finish: str | None, first: bool = False) -> bytes:
-        if chat:
-            d: dict[str, Any] = {}
-            if first:
-                d["role"] = "assistant"
-            if delta is not None:
-                d["content"] = delta
-            choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish}
+    async def _compute(self) -> tuple[dict[str, Any], bytes]:
+        async with (
+            self.p.admit(self.call, self.job) as ticket,
+            contextlib.aclosing(self.p.outputs(ticket)) as outputs,
+        ):
+            async for out in outputs:
+                self._take(out)
+                if self.text.stopped:
+                    break  # leaving the loop aborts the engine request
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self._finished(), "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": self.text.text}
         else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-        return event([choice])
+            choice["text"] = self.text.text
+        payload = orjson.dumps({"choices": [choice], "usage": self._usage()})
+        return self.p.envelope(self.call, self.job, ticket.request.request_id, None), payload
 
-    n_out, reason, first_s = 0, None, None
-    try:
-        async with contextlib.aclosing(flow.outputs(app, call, adm)) as it:
-            async for out in it:
+    async def _stream(self) -> None:
+        """SSE: headers go out with the first output, so admission or expiry errors keep their
+        status; an error after that is reported in-band, as OpenAI's API does."""
+        call = self.call
+        try:
+            async with self.p.admit(call, self.job) as ticket:
+                await self._stream_outputs(ticket)
+        except TailguardError as exc:
+            if not call.started:
+                raise
+            call.outcome = error_answer(exc).label
+            await call.body_part(b"data: " + orjson.dumps(exc.to_dict()) + b"\n\n", True)
+            await call.body_part(b"data: [DONE]\n\n", False)
+            return
+        if not call.started:
+            call.start(200, SSE)
+        body = self._event([self._choice(None, self._finished())])
+        opts = self.req.stream_options
+        if isinstance(opts, dict) and opts.get("include_usage"):
+            body += self._event([], usage=self._usage())
+        await call.body_part(body + b"data: [DONE]\n\n", False)
+
+    async def _stream_outputs(self, ticket: Ticket) -> None:
+        call = self.call
+        self._head = self.p.envelope(call, self.job, ticket.request.request_id, None)
+        self._head["object"] = "chat.completion.chunk" if self.chat else "text_completion"
+        async with contextlib.aclosing(self.p.outputs(ticket)) as outputs:
+            async for out in outputs:
                 if not call.started:
                     call.start(200, SSE)
-                    await call.body_part(chunk("" if chat else None, None, first=True), True)
-                if first_s is None and out.new_token_ids:
-                    first_s = time.monotonic()
-                    app.metrics.queue_for(priority).observe(out.queue_s)
-                n_out = out.num_output_tokens or n_out + len(out.new_token_ids)
-                reason = out.finish_reason
-                delta = text.add(out.new_token_ids, out.finished)
+                    first = self._choice("" if self.chat else None, None, first=True)
+                    await call.body_part(self._event([first]), True)
+                delta = self._take(out)
                 if delta:
-                    await call.body_part(chunk(delta, None), True)
-                if text.stopped:
-                    break
-    except TailguardError as exc:
-        if not call.started:
-            raise
-        # Headers are gone: report the error in-band, as OpenAI's API does, and end the stream.
-        call.outcome = error_answer(exc).label
-        await call.body_part(b"data: " + orjson.dumps(exc.to_dict()) + b"\n\n", True)
-        await call.body_part(b"data: [DONE]\n\n", False)
-        return
-    observe_timing(first_s, time.monotonic(), n_out)
-    if not call.started:
-        call.start(200, SSE)
-    body = chunk(None, _finish_name(reason, text.stopped))
-    opts = getattr(req, "stream_options", None)
-    if isinstance(opts, dict) and opts.get("include_usage"):
-        body += event([], usage=usage(n_out))
-    await call.body_part(body + b"data: [DONE]\n\n", False)
+                    await call.body_part(self._event([self._choice(delta, None)]), True)
+                if self.text.stopped:
+                    break  # leaving the loop aborts the engine request
+
+    def _event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return b"data: " + orjson.dumps({**self._head, "choices": choices, **extra}) + b"\n\n"
+
+    def _choice(self, delta: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+        d: dict[str, Any] = {}
+        if first:
+            d["role"] = "assistant"
+        if delta is not None:
+            d["content"] = delta
+        return {"index": 0, "delta": d, "finish_reason": finish}

@@ -1,52 +1,32 @@
-"""The /v1 endpoints: validate, tokenize, admit, run in the engine, answer in OpenAI shape.
+"""/v1/infer and /v1/embeddings: OpenAI-shaped adapters on the request pipeline.
 
-Each endpoint is `(app, call) -> None`; the shared request path (admission, engine outputs,
-disconnect watch, degradation cache) is in flow.py, generation (completions, chat, SSE) in
-generate.py.
+Each handler decodes its JSON into a `Job` (pipeline.py), tokenizes (after the shed check),
+runs it through admission and the engine, and turns the result into its JSON answer.
+Completions and chat are in generate.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import math
-import time
+import contextlib
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from tailguard.core.request import Pooling, RequestKind
-from tailguard.errors import InvalidRequestError, OverloadedError
-from tailguard.server import flow
-from tailguard.server.generate import run_generation, shed_before_tokenizing
-from tailguard.server.schemas import (
-    ChatRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    InferRequest,
-    decode,
-)
+from tailguard.core.request import EngineOutput, Pooling, RequestKind
+from tailguard.errors import InvalidRequestError
+from tailguard.server.call import Call
+from tailguard.server.pipeline import Job, Pipeline
+from tailguard.server.schemas import EmbeddingRequest, InferRequest, decode
 
-if TYPE_CHECKING:
-    from tailguard.server.app import App, Call
-
-__all__ = ["chat", "completions", "embeddings", "infer"]
+__all__ = ["embeddings", "infer"]
 
 
-def _ms(seconds: float) -> float:
-    """Seconds -> milliseconds rounded to 3 decimals (round(x, 3) is ~3x slower: it goes
-    through a decimal conversion)."""
-    return math.floor(seconds * 1e6 + 0.5) / 1e3
-
-
-# ---- /v1/infer --------------------------------------------------------------------------------
-
-
-async def infer(app: App, call: Call) -> None:
+async def infer(p: Pipeline, call: Call) -> None:
     req = decode(call.body, InferRequest)
-    if req.model is not None:
-        flow.check_model(app, req.model)
+    p.check_model(req.model)
     if (req.prompt is None) == (req.input_ids is None):
         raise InvalidRequestError(
             "give exactly one of `prompt` (string) or `input_ids`", param="prompt"
@@ -55,108 +35,54 @@ async def infer(app: App, call: Call) -> None:
         raise InvalidRequestError(
             "nothing to return: set top_k >= 1 and/or embedding: true", param="top_k"
         )
-    deadline = flow.deadline(app, call, req.timeout)
-    priority = flow.priority(app, call, req.priority)
-    key = flow.cache_key(app, call, "infer", req, True)
+    job = p.job(call, RequestKind.SCORE, req, endpoint="infer", obj="inference")
+    job.top_k, job.want_embedding = req.top_k, req.embedding
+    job.pooling = Pooling.MEAN if req.pooling == "mean" else Pooling.LAST
     if req.input_ids is not None:
-        ids = flow.check_ids(app, req.input_ids, "input_ids")
-        flow.check_context(app, len(ids), 0, "input_ids")
+        job.ids = p.check_ids(req.input_ids, "input_ids")
+        p.check_context(len(job.ids), 0, "input_ids")
     else:
         prompt = req.prompt or ""
-        # A prompt that fits the context whatever its tokens is shed before it is tokenized;
-        # one that might not is tokenized first, so that it gets its 400 rather than a 503.
-        if not flow.could_exceed_context(app, prompt) and flow.shed(
-            app, call, deadline, priority, single_pass=True, key=lambda: key
-        ):
-            return
-        ids = tuple(app.model.tokenizer.encode(prompt, add_bos=True))
-        flow.check_context(app, len(ids), 0, "prompt")
+        if p.shed_before_tokenizing(call, job, len(prompt.encode())):
+            return  # answered from the degradation cache
+        job.ids = tuple(p.model.tokenizer.encode(prompt, add_bos=True))
+        p.check_context(len(job.ids), 0, "prompt")
 
-    async def compute() -> bytes:
-        adm = flow.admit(
-            app,
-            call,
-            ids=ids,
-            kind=RequestKind.SCORE,
-            deadline_s=deadline,
-            priority=priority,
-            top_k=req.top_k,
-            want_embedding=req.embedding,
-            pooling=Pooling.MEAN if req.pooling == "mean" else Pooling.LAST,
-        )
-        out = await flow.single(app, call, adm)
-        text = app.token_text
-        body: dict[str, Any] = {
-            "id": adm.request.request_id,
-            "object": "inference",
-            "model": app.model_name,
+    async def compute() -> tuple[dict[str, Any], bytes]:
+        async with p.admit(call, job) as ticket:
+            out = await p.single(ticket)
+        text = p.token_text
+        payload: dict[str, Any] = {
             "top_k": [
                 {"token_id": t, "logprob": lp, "token": text(t)}
                 for t, lp in (out.top_logprobs or ())
             ],
-            "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids)},
-            "timing": {
-                "intake_ms": _ms(call.t_read - call.t_arrival),
-                "queue_ms": _ms(out.queue_s),
-                "compute_ms": _ms(out.compute_s),
-                "server_ms": _ms(time.monotonic() - call.t_read),
-            },
+            "usage": {"prompt_tokens": len(job.ids), "total_tokens": len(job.ids)},
         }
         if req.embedding:
-            body["embedding"] = out.embedding
-        return orjson.dumps(body)
+            payload["embedding"] = out.embedding
+        return p.envelope(call, job, ticket.request.request_id, out), orjson.dumps(payload)
 
-    await flow.answer(app, call, key, compute)
-
-
-# ---- /v1/embeddings ---------------------------------------------------------------------------
+    await p.answer(call, job, compute)
 
 
-async def embeddings(app: App, call: Call) -> None:
+async def embeddings(p: Pipeline, call: Call) -> None:
     req = decode(call.body, EmbeddingRequest)
-    flow.check_model(app, req.model)
+    p.check_model(req.model)
     inputs = req.inputs()
-    # Nothing can turn out too long: when even one token would not fit, say so before
-    # tokenizing (or answer from the degradation cache, when it has this request).
-    fits_context = not any(isinstance(x, str) and flow.could_exceed_context(app, x) for x in inputs)
-    if fits_context and flow.shed(
-        app,
-        call,
-        flow.deadline(app, call, req.timeout),
-        flow.priority(app, call, req.priority),
-        single_pass=True,
-        key=lambda: flow.cache_key(app, call, "embeddings", req, True),
-    ):
-        return
-    tok = app.model.tokenizer
+    job = p.job(call, RequestKind.EMBED, req, endpoint="embeddings", obj="list")
+    longest = max((len(x.encode()) for x in inputs if isinstance(x, str)), default=0)
+    if p.shed_before_tokenizing(call, job, longest):
+        return  # answered from the degradation cache
+    tok = p.model.tokenizer
     prompts = [
-        tuple(tok.encode(x)) if isinstance(x, str) else flow.check_ids(app, x, "input")
-        for x in inputs
+        tuple(tok.encode(x)) if isinstance(x, str) else p.check_ids(x, "input") for x in inputs
     ]
-    for p in prompts:
-        flow.check_context(app, len(p), 0, "input")
-    deadline = flow.deadline(app, call, req.timeout)
-    priority = flow.priority(app, call, req.priority)
+    for ids in prompts:
+        p.check_context(len(ids), 0, "input")
 
-    async def compute() -> bytes:
-        admitted: list[flow.Admitted] = []
-        try:
-            for ids in prompts:
-                admitted.append(
-                    flow.admit(
-                        app,
-                        call,
-                        ids=ids,
-                        kind=RequestKind.EMBED,
-                        deadline_s=deadline,
-                        priority=priority,
-                    )
-                )
-        except OverloadedError:
-            for a in admitted:  # all or nothing
-                a.release()
-            raise
-        outs = await asyncio.gather(*(flow.single(app, call, a) for a in admitted))
+    async def compute() -> tuple[dict[str, Any], bytes]:
+        outs = await _run_all(p, call, job, prompts)
         data = []
         for i, out in enumerate(outs):
             emb = out.embedding or []
@@ -164,44 +90,29 @@ async def embeddings(app: App, call: Call) -> None:
             if req.encoding_format == "base64":
                 value = base64.b64encode(array("f", emb).tobytes()).decode()
             data.append({"object": "embedding", "index": i, "embedding": value})
-        n = sum(len(p) for p in prompts)
-        return orjson.dumps(
-            {
-                "object": "list",
-                "data": data,
-                "model": app.model_name,
-                "usage": {"prompt_tokens": n, "total_tokens": n},
-            }
-        )
+        n = sum(len(ids) for ids in prompts)
+        payload = {"data": data, "usage": {"prompt_tokens": n, "total_tokens": n}}
+        return p.envelope(call, job, None, None), orjson.dumps(payload)
 
-    await flow.answer(app, call, flow.cache_key(app, call, "embeddings", req, True), compute)
+    await p.answer(call, job, compute)
 
 
-# ---- /v1/completions and /v1/chat/completions -------------------------------------------------
+async def _run_all(
+    p: Pipeline, call: Call, job: Job, prompts: list[tuple[int, ...]]
+) -> list[EngineOutput]:
+    """One engine request per input, all admitted or none; when one fails, the others are
+    cancelled (and so aborted in the engine) rather than left running for nobody."""
+    async with contextlib.AsyncExitStack() as tickets:
+        admitted = [
+            await tickets.enter_async_context(p.admit(call, _one(job, ids))) for ids in prompts
+        ]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(p.single(t)) for t in admitted]
+        except BaseExceptionGroup as group:  # the first failure is the answer
+            raise group.exceptions[0] from None
+    return [t.result() for t in tasks]
 
 
-async def completions(app: App, call: Call) -> None:
-    req = decode(call.body, CompletionRequest)
-    flow.check_model(app, req.model)
-    if isinstance(req.prompt, str):
-        size = len(req.prompt.encode())
-        if shed_before_tokenizing(app, call, req, chat=False, prompt_bytes=size):
-            return  # answered from the degradation cache
-        ids = tuple(app.model.tokenizer.encode(req.prompt, add_bos=True))
-    else:
-        ids = flow.check_ids(app, req.prompt, "prompt")
-    await run_generation(app, call, req, ids, chat=False)
-
-
-async def chat(app: App, call: Call) -> None:
-    req = decode(call.body, ChatRequest)
-    flow.check_model(app, req.model)
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    size = sum(len(m["content"].encode()) + 16 for m in messages)
-    if shed_before_tokenizing(app, call, req, chat=True, prompt_bytes=size):
-        return  # answered from the degradation cache
-    try:
-        ids = tuple(app.model.tokenizer.apply_chat_template(messages))
-    except (ValueError, KeyError, TypeError) as e:
-        raise InvalidRequestError(f"messages: {e}", param="messages") from None
-    await run_generation(app, call, req, ids, chat=True)
+def _one(job: Job, ids: tuple[int, ...]) -> Job:
+    return Job(job.kind, job.obj, job.deadline_s, job.priority, job.cache_key, ids)

@@ -6,21 +6,30 @@ an SLA check is an exact bucket ratio (`bucket{le="0.15"} / count`), never histo
 
 from __future__ import annotations
 
-import gc
+import itertools
+import math
 import os
 import resource
-import time
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
+from tailguard.core.gc_timer import GCTimer
 from tailguard.core.sla import SLA_BUCKETS
 from tailguard.core.stats import EngineStats, StepStats
 
-__all__ = ["CONTENT_TYPE", "SLA_BUCKETS", "ServerMetrics"]
+__all__ = ["CONTENT_TYPE", "HOT", "SLA_BUCKETS", "HotHistogram", "ServerMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -32,303 +41,391 @@ _RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0,
 
 
 class HotHistogram:
-    """One histogram child (and optionally a counter of its observations) for the request path.
+    """A histogram the request path observes in plain Python: one bisect and two additions
+    (prometheus_client's take a lock per bucket and walk the buckets in Python, ~1 us each,
+    several per request). Cumulative from start; `RequestPathCollector` exports it through
+    prometheus_client's public metric-family API, so every scrape is exact."""
 
-    prometheus_client takes a lock per bucket and per sum and walks the buckets in Python on every
-    observation (~1 us each, several per request); here an observation is one bisect and two
-    additions in plain Python, and `flush()` moves the counts into the prometheus_client child.
-    The registry flushes before every collection (`_Flush`), so a scrape is still exact.
-    """
+    __slots__ = ("_bounds", "counts", "sum")
 
-    __slots__ = ("_bounds", "_child", "_counter", "_counts", "_sum")
-
-    def __init__(self, child: Any, counter: Any = None) -> None:
-        self._child = child
-        self._counter = counter
-        self._bounds = tuple(child._upper_bounds)  # ends with +Inf
-        self._counts = [0] * len(self._bounds)
-        self._sum = 0.0
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self._bounds = (*buckets, math.inf)
+        self.counts = [0] * len(self._bounds)  # per bucket, not cumulative
+        self.sum = 0.0
 
     def observe(self, amount: float) -> None:
         # bisect_left: the first bucket with amount <= bound, as prometheus_client counts it
-        self._counts[bisect_left(self._bounds, amount)] += 1
-        self._sum += amount
+        self.counts[bisect_left(self._bounds, amount)] += 1
+        self.sum += amount
 
-    def flush(self) -> None:
-        counts, self._counts = self._counts, [0] * len(self._bounds)
-        total, self._sum = self._sum, 0.0
-        n = 0
-        for i, c in enumerate(counts):
-            if c:
-                self._child._buckets[i].inc(c)
-                n += c
-        if n:
-            self._child._sum.inc(total)
-            if self._counter is not None:
-                self._counter.inc(n)
+    def buckets(self) -> list[tuple[str, float]]:
+        """(le, cumulative count) pairs, +Inf last, as the exposition format wants them."""
+        return list(
+            zip(map(floatToGoString, self._bounds), itertools.accumulate(self.counts), strict=True)
+        )
 
 
-class _Flush(Collector):
-    """Registered first: moves the request path's plain counts into prometheus_client before
-    the registry collects, so every scrape (ours or anyone's) reads exact figures."""
+@dataclass(frozen=True)
+class HotSpec:
+    """One histogram family of the request path (and the counter of its observations)."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
-        self._metrics = metrics
+    name: str
+    doc: str
+    labels: tuple[str, ...]
+    buckets: tuple[float, ...]
+    counter: tuple[str, str] | None = None  # (name, doc) of a counter of the observations
 
-    def describe(self) -> Iterable[Any]:
-        return ()  # no series of its own (and no collect() while the registry is being built)
 
-    def collect(self) -> Iterable[Any]:
-        self._metrics.flush()
-        return ()
+# The request path's series, declared here and exported by RequestPathCollector.
+HOT: dict[str, HotSpec] = {
+    "latency": HotSpec(
+        "mistral_inference_latency_seconds",
+        "End-to-end server time, request read -> response written",
+        ("endpoint", "outcome"),
+        SLA_BUCKETS,
+        ("tailguard_requests", "Requests answered"),
+    ),
+    "rejection": HotSpec(
+        "tailguard_rejection_seconds",
+        "Server time of rejections",
+        ("reason",),
+        SLA_BUCKETS,
+        ("tailguard_rejections", "Requests refused"),
+    ),
+    "queue": HotSpec(
+        "tailguard_queue_seconds", "Arrival -> first scheduled", ("priority",), SLA_BUCKETS
+    ),
+    "prediction": HotSpec(
+        "tailguard_admission_prediction_ratio",
+        "Admitted requests: actual time to the deadline event / the time admission planned "
+        "for (the calibrated bound)",
+        ("kind",),
+        _RATIO_BUCKETS,
+    ),
+    "per_connection": HotSpec(
+        "tailguard_requests_per_connection", "Requests per closed connection", (), _CONN_BUCKETS
+    ),
+    "intake": HotSpec(
+        "tailguard_intake_wait_seconds",
+        "Read from a socket -> parsed (request data waiting for a per-iteration slot)",
+        (),
+        _LAG_BUCKETS,
+    ),
+}
+REFUSALS_DOC = (
+    "Requests admission refused, by why (late, deadline_passed, queue_requests, queue_tokens) "
+    "and kind (single_pass: deadline on the answer; generate: on the first token)"
+)
+
+
+class RequestPathCollector(Collector):
+    """Exports the request path's plain-Python figures as metric families at every scrape."""
+
+    def __init__(self) -> None:
+        self.hot: dict[str, dict[tuple[str, ...], HotHistogram]] = {k: {} for k in HOT}
+        self.refusals: dict[tuple[str, str], int] = {}  # (reason, kind) -> count
+        self.connections_opened = 0
+        self.connections_active = 0
+
+    def child(self, family: str, labels: tuple[str, ...] = ()) -> HotHistogram:
+        children = self.hot[family]
+        h = children.get(labels)
+        if h is None:
+            h = children[labels] = HotHistogram(HOT[family].buckets)
+        return h
+
+    def collect(self) -> Iterator[Metric]:
+        for key, spec in HOT.items():
+            children = list(self.hot[key].items())  # a copy: the loop may add children
+            hist = HistogramMetricFamily(spec.name, spec.doc, labels=spec.labels)
+            for labels, h in children:
+                hist.add_metric(list(labels), h.buckets(), h.sum)
+            yield hist
+            if spec.counter is not None:
+                counter = CounterMetricFamily(*spec.counter, labels=spec.labels)
+                for labels, h in children:
+                    counter.add_metric(list(labels), sum(h.counts))
+                yield counter
+        refused = CounterMetricFamily(
+            "tailguard_admission_refusals", REFUSALS_DOC, labels=("reason", "kind")
+        )
+        for (reason, kind), n in list(self.refusals.items()):
+            refused.add_metric([reason, kind], n)
+        yield refused
+        yield CounterMetricFamily(
+            "tailguard_connections_opened", "TCP connections accepted", self.connections_opened
+        )
+        yield GaugeMetricFamily(
+            "tailguard_connections_active", "Open TCP connections", self.connections_active
+        )
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One prometheus_client metric of the server, declared in REGISTERED."""
+
+    attr: str  # the ServerMetrics attribute it is
+    kind: type[Counter] | type[Gauge] | type[Histogram]
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+    def create(self, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
+        if self.kind is Histogram:
+            assert self.buckets is not None, self.name
+            return Histogram(
+                self.name, self.doc, self.labels, buckets=self.buckets, registry=registry
+            )
+        return self.kind(self.name, self.doc, self.labels, registry=registry)
+
+
+# The rest of the server's series: (attribute, kind, name, help, labels, buckets).
+REGISTERED: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "ttft",
+        Histogram,
+        "tailguard_time_to_first_token_seconds",
+        "Arrival -> first output token",
+        ("endpoint",),
+        SLA_BUCKETS,
+    ),
+    MetricSpec(
+        "tpot",
+        Histogram,
+        "tailguard_time_per_output_token_seconds",
+        "Mean inter-token time per finished generation",
+        (),
+        SLA_BUCKETS,
+    ),
+    MetricSpec(
+        "calibration",
+        Gauge,
+        "tailguard_admission_excess_seconds",
+        "Admission's measured prediction error (actual - predicted) at its target quantile, "
+        "planned for predictions up to `le` seconds (le=live: from requests in flight that "
+        "are already past their bound)",
+        ("kind", "le"),
+        None,
+    ),
+    MetricSpec(
+        "step_cost",
+        Gauge,
+        "tailguard_admission_step_cost_seconds",
+        "Admission's fit of the engine step time, a + b * tokens: term a (s per step) and b "
+        "(s per token)",
+        ("term",),
+        None,
+    ),
+    MetricSpec(
+        "cache_hits",
+        Counter,
+        "tailguard_cache_hits",
+        "Answered from the degradation cache",
+        ("reason",),
+        None,
+    ),
+    MetricSpec("waiting", Gauge, "tailguard_requests_waiting", "Queued in the engine", (), None),
+    MetricSpec("running", Gauge, "tailguard_requests_running", "Running in the engine", (), None),
+    MetricSpec(
+        "in_flight", Gauge, "tailguard_requests_in_flight", "Admitted, not yet answered", (), None
+    ),
+    MetricSpec(
+        "batch_size",
+        Histogram,
+        "tailguard_batch_size",
+        "Sequences per engine step",
+        (),
+        _SIZE_BUCKETS,
+    ),
+    MetricSpec(
+        "batch_tokens",
+        Histogram,
+        "tailguard_batch_tokens",
+        "Tokens per engine step",
+        (),
+        _TOKEN_BUCKETS,
+    ),
+    MetricSpec("max_num_seqs", Gauge, "tailguard_max_num_seqs", "Engine batch capacity", (), None),
+    MetricSpec(
+        "step_s",
+        Histogram,
+        "tailguard_engine_step_seconds",
+        "Engine step wall time",
+        (),
+        SLA_BUCKETS,
+    ),
+    MetricSpec(
+        "kv_usage", Gauge, "tailguard_kv_cache_usage_ratio", "Used / total KV blocks", (), None
+    ),
+    MetricSpec(
+        "kv_total", Gauge, "tailguard_kv_cache_blocks_total", "KV blocks in the pool", (), None
+    ),
+    MetricSpec("preemptions", Counter, "tailguard_preemptions", "Sequences preempted", (), None),
+    MetricSpec(
+        "expired", Counter, "tailguard_expired", "Dropped unexecuted after deadline", (), None
+    ),
+    MetricSpec("oom_retries", Counter, "tailguard_oom_retries", "Batch splits after OOM", (), None),
+    MetricSpec(
+        "oom_failures", Counter, "tailguard_oom_failures", "Failed: OOM even alone", (), None
+    ),
+    MetricSpec(
+        "restarts", Counter, "tailguard_engine_restarts", "Engine process restarts", (), None
+    ),
+    MetricSpec(
+        "engine_up", Gauge, "tailguard_engine_up", "1 when the engine is alive and warm", (), None
+    ),
+    MetricSpec("shapes", Gauge, "tailguard_forward_shapes", "Distinct forward shapes", (), None),
+    MetricSpec("kv_allocs", Counter, "tailguard_kv_allocations", "KV tensors allocated", (), None),
+    MetricSpec(
+        "loop_lag",
+        Histogram,
+        "tailguard_event_loop_lag_seconds",
+        "HTTP event-loop lag",
+        (),
+        _LAG_BUCKETS,
+    ),
+    MetricSpec("gc_pause", Counter, "tailguard_gc_pause_seconds", "Time in GC", ("process",), None),
+    MetricSpec(
+        "conn_cut",
+        Counter,
+        "tailguard_connections_cut",
+        "Connections the server closed on a timeout or aborted",
+        ("reason",),
+        None,
+    ),
+    MetricSpec("cpu", Counter, "tailguard_process_cpu_seconds", "CPU time", ("process",), None),
+    MetricSpec("rss", Gauge, "tailguard_process_resident_memory_bytes", "RSS", ("process",), None),
+    MetricSpec(
+        "threads", Gauge, "tailguard_compute_threads", "Intra-op threads", ("process",), None
+    ),
+    MetricSpec(
+        "alloc_reserved", Gauge, "tailguard_allocator_reserved_bytes", "CUDA reserved", (), None
+    ),
+    MetricSpec(
+        "alloc_allocated", Gauge, "tailguard_allocator_allocated_bytes", "CUDA allocated", (), None
+    ),
+    MetricSpec(
+        "alloc_inactive",
+        Gauge,
+        "tailguard_allocator_inactive_split_bytes",
+        "CUDA inactive split bytes",
+        (),
+        None,
+    ),
+    MetricSpec(
+        "alloc_retries",
+        Counter,
+        "tailguard_allocator_alloc_retries",
+        "CUDA alloc retries",
+        (),
+        None,
+    ),
+    MetricSpec("alloc_ooms", Counter, "tailguard_allocator_ooms", "CUDA OOMs", (), None),
+    MetricSpec(
+        "alloc_device", Counter, "tailguard_allocator_device_allocs", "cudaMalloc calls", (), None
+    ),
+    MetricSpec("sla", Gauge, "tailguard_sla_seconds", "Configured SLA", (), None),
+)
 
 
 class ServerMetrics:
+    # declared in REGISTERED, created in __init__
+    ttft: Histogram
+    tpot: Histogram
+    calibration: Gauge
+    step_cost: Gauge
+    cache_hits: Counter
+    waiting: Gauge
+    running: Gauge
+    in_flight: Gauge
+    batch_size: Histogram
+    batch_tokens: Histogram
+    max_num_seqs: Gauge
+    step_s: Histogram
+    kv_usage: Gauge
+    kv_total: Gauge
+    preemptions: Counter
+    expired: Counter
+    oom_retries: Counter
+    oom_failures: Counter
+    restarts: Counter
+    engine_up: Gauge
+    shapes: Gauge
+    kv_allocs: Counter
+    loop_lag: Histogram
+    gc_pause: Counter
+    conn_cut: Counter
+    cpu: Counter
+    rss: Gauge
+    threads: Gauge
+    alloc_reserved: Gauge
+    alloc_allocated: Gauge
+    alloc_inactive: Gauge
+    alloc_retries: Counter
+    alloc_ooms: Counter
+    alloc_device: Counter
+    sla: Gauge
+
     def __init__(self, sla_s: float, max_num_seqs: int) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self._hot: list[HotHistogram] = []
-        self._conn_opened = 0  # since the last flush
-        self._conn_active = 0
-        r.register(_Flush(self))
-        self.latency = Histogram(
-            "mistral_inference_latency_seconds",
-            "End-to-end server time, request read -> response written",
-            ["endpoint", "outcome"],
-            buckets=SLA_BUCKETS,
-            registry=r,
-        )
-        self.queue = Histogram(
-            "tailguard_queue_seconds",
-            "Arrival -> first scheduled",
-            ["priority"],
-            buckets=SLA_BUCKETS,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "tailguard_time_to_first_token_seconds",
-            "Arrival -> first output token",
-            ["endpoint"],
-            buckets=SLA_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "tailguard_time_per_output_token_seconds",
-            "Mean inter-token time per finished generation",
-            buckets=SLA_BUCKETS,
-            registry=r,
-        )
-        self.rejection_s = Histogram(
-            "tailguard_rejection_seconds",
-            "Server time of rejections",
-            ["reason"],
-            buckets=SLA_BUCKETS,
-            registry=r,
-        )
-        self.requests = Counter(
-            "tailguard_requests", "Requests answered", ["endpoint", "outcome"], registry=r
-        )
-        self.rejections = Counter(
-            "tailguard_rejections", "Requests refused", ["reason"], registry=r
-        )
-        self.refusals = Counter(
-            "tailguard_admission_refusals",
-            "Requests admission refused, by why (late, deadline_passed, queue_requests, "
-            "queue_tokens) and kind (single_pass: deadline on the answer; generate: on the "
-            "first token)",
-            ["reason", "kind"],
-            registry=r,
-        )
-        self.prediction_ratio = Histogram(
-            "tailguard_admission_prediction_ratio",
-            "Admitted requests: actual time to the deadline event / the time admission planned "
-            "for (the calibrated bound)",
-            ["kind"],
-            buckets=_RATIO_BUCKETS,
-            registry=r,
-        )
-        self.calibration = Gauge(
-            "tailguard_admission_excess_seconds",
-            "Admission's measured prediction error (actual - predicted) at its target quantile, "
-            "planned for predictions up to `le` seconds (le=live: from requests in flight that "
-            "are already past their bound)",
-            ["kind", "le"],
-            registry=r,
-        )
-        self.step_cost = Gauge(
-            "tailguard_admission_step_cost_seconds",
-            "Admission's fit of the engine step time, a + b * tokens: term a (s per step) and b "
-            "(s per token)",
-            ["term"],
-            registry=r,
-        )
-        self.cache_hits = Counter(
-            "tailguard_cache_hits", "Answered from the degradation cache", ["reason"], registry=r
-        )
-        self.waiting = Gauge("tailguard_requests_waiting", "Queued in the engine", registry=r)
-        self.running = Gauge("tailguard_requests_running", "Running in the engine", registry=r)
-        self.in_flight = Gauge(
-            "tailguard_requests_in_flight", "Admitted, not yet answered", registry=r
-        )
-        self.batch_size = Histogram(
-            "tailguard_batch_size", "Sequences per engine step", buckets=_SIZE_BUCKETS, registry=r
-        )
-        self.batch_tokens = Histogram(
-            "tailguard_batch_tokens", "Tokens per engine step", buckets=_TOKEN_BUCKETS, registry=r
-        )
-        self.max_num_seqs = Gauge("tailguard_max_num_seqs", "Engine batch capacity", registry=r)
-        self.step_s = Histogram(
-            "tailguard_engine_step_seconds",
-            "Engine step wall time",
-            buckets=SLA_BUCKETS,
-            registry=r,
-        )
-        self.kv_usage = Gauge(
-            "tailguard_kv_cache_usage_ratio", "Used / total KV blocks", registry=r
-        )
-        self.kv_total = Gauge(
-            "tailguard_kv_cache_blocks_total", "KV blocks in the pool", registry=r
-        )
-        self.preemptions = Counter("tailguard_preemptions", "Sequences preempted", registry=r)
-        self.expired = Counter("tailguard_expired", "Dropped unexecuted after deadline", registry=r)
-        self.oom_retries = Counter("tailguard_oom_retries", "Batch splits after OOM", registry=r)
-        self.oom_failures = Counter("tailguard_oom_failures", "Failed: OOM even alone", registry=r)
-        self.restarts = Counter("tailguard_engine_restarts", "Engine process restarts", registry=r)
-        self.engine_up = Gauge(
-            "tailguard_engine_up", "1 when the engine is alive and warm", registry=r
-        )
-        self.shapes = Gauge("tailguard_forward_shapes", "Distinct forward shapes", registry=r)
-        self.kv_allocs = Counter("tailguard_kv_allocations", "KV tensors allocated", registry=r)
-        self.loop_lag = Histogram(
-            "tailguard_event_loop_lag_seconds",
-            "HTTP event-loop lag",
-            buckets=_LAG_BUCKETS,
-            registry=r,
-        )
-        self.intake_wait = Histogram(
-            "tailguard_intake_wait_seconds",
-            "Read from a socket -> parsed (request data waiting for a per-iteration slot)",
-            buckets=_LAG_BUCKETS,
-            registry=r,
-        )
-        self.gc_pause = Counter("tailguard_gc_pause_seconds", "Time in GC", ["process"], registry=r)
-        self.conn_opened = Counter(
-            "tailguard_connections_opened", "TCP connections accepted", registry=r
-        )
-        self.conn_active = Gauge("tailguard_connections_active", "Open TCP connections", registry=r)
-        self.conn_cut = Counter(
-            "tailguard_connections_cut",
-            "Connections the server closed on a timeout or aborted",
-            ["reason"],
-            registry=r,
-        )
-        self.req_per_conn = Histogram(
-            "tailguard_requests_per_connection",
-            "Requests per closed connection",
-            buckets=_CONN_BUCKETS,
-            registry=r,
-        )
-        self.cpu = Counter("tailguard_process_cpu_seconds", "CPU time", ["process"], registry=r)
-        self.rss = Gauge("tailguard_process_resident_memory_bytes", "RSS", ["process"], registry=r)
-        self.threads = Gauge(
-            "tailguard_compute_threads", "Intra-op threads", ["process"], registry=r
-        )
-        self.alloc_reserved = Gauge(
-            "tailguard_allocator_reserved_bytes", "CUDA reserved", registry=r
-        )
-        self.alloc_allocated = Gauge(
-            "tailguard_allocator_allocated_bytes", "CUDA allocated", registry=r
-        )
-        self.alloc_inactive = Gauge(
-            "tailguard_allocator_inactive_split_bytes", "CUDA inactive split bytes", registry=r
-        )
-        self.alloc_retries = Counter(
-            "tailguard_allocator_alloc_retries", "CUDA alloc retries", registry=r
-        )
-        self.alloc_ooms = Counter("tailguard_allocator_ooms", "CUDA OOMs", registry=r)
-        self.alloc_device = Counter(
-            "tailguard_allocator_device_allocs", "cudaMalloc calls", registry=r
-        )
-        self.sla = Gauge("tailguard_sla_seconds", "Configured SLA", registry=r)
+        self.request_path = path = RequestPathCollector()
+        r.register(path)
+        self.intake = path.child("intake")
+        self._per_conn = path.child("per_connection")
+        for spec in REGISTERED:
+            setattr(self, spec.attr, spec.create(r))
         self.sla.set(sla_s)
         self.max_num_seqs.set(max_num_seqs)
         self.threads.labels("server").set(1)
         self._answers: dict[tuple[str, str], HotHistogram] = {}
-        self._ratios = {
-            kind: HotHistogram(self.prediction_ratio.labels(kind))
-            for kind in ("single_pass", "generate")
-        }
-        self._hot.extend(self._ratios.values())
-        self._refused: dict[tuple[str, str], int] = {}
         self._rejections: dict[str, HotHistogram] = {}
-        self._per_conn = HotHistogram(self.req_per_conn)
-        self._hot.append(self._per_conn)
-        self.intake = HotHistogram(self.intake_wait)
-        self._hot.append(self.intake)
         self._queue_children: dict[Any, HotHistogram] = {}
-        self._last_step_t = 0.0
         self._engine_totals: dict[str, float] = {}
         self._server_cpu = 0.0
-        self._gc_start = 0.0
-        self._gc_pending_s = 0.0
-        gc.callbacks.append(self._on_gc)
+        self._gc = GCTimer()  # this process's collections (the engine's come in its stats)
 
     def close(self) -> None:
-        if self._on_gc in gc.callbacks:
-            gc.callbacks.remove(self._on_gc)
+        self._gc.close()
 
-    # ---- per request ------------------------------------------------------------------------
+    # ---- per request: plain Python, exported by RequestPathCollector -------------------------
     def queue_for(self, priority: Any) -> HotHistogram:
         child = self._queue_children.get(priority)
         if child is None:
-            child = HotHistogram(self.queue.labels(priority.name.lower()))
+            child = self.request_path.child("queue", (priority.name.lower(),))
             self._queue_children[priority] = child
-            self._hot.append(child)
         return child
 
     def answered(self, endpoint: str, outcome: str, seconds: float) -> None:
         """One answer: its latency (`mistral_inference_latency_seconds`) and its count
-        (`tailguard_requests_total`), kept in plain Python until the next scrape."""
+        (`tailguard_requests_total`)."""
         h = self._answers.get((endpoint, outcome))
         if h is None:
-            h = HotHistogram(
-                self.latency.labels(endpoint, outcome), self.requests.labels(endpoint, outcome)
+            h = self._answers[(endpoint, outcome)] = self.request_path.child(
+                "latency", (endpoint, outcome)
             )
-            self._answers[(endpoint, outcome)] = h
-            self._hot.append(h)
         h.observe(seconds)
-
-    def flush(self) -> None:
-        """Move the request path's counts into prometheus_client (runs before every collection)."""
-        for h in self._hot:
-            h.flush()
-        refused, self._refused = self._refused, {}
-        for (code, kind), n in refused.items():
-            self.refusals.labels(code, kind).inc(n)
-        opened, self._conn_opened = self._conn_opened, 0
-        if opened:
-            self.conn_opened.inc(opened)
-        self.conn_active.set(self._conn_active)
 
     def rejected(self, reason: str, seconds: float) -> None:
         """One refusal: its server time (`tailguard_rejection_seconds`) and its count
-        (`tailguard_rejections_total`), kept in plain Python until the next scrape."""
+        (`tailguard_rejections_total`)."""
         h = self._rejections.get(reason)
         if h is None:
-            h = HotHistogram(self.rejection_s.labels(reason), self.rejections.labels(reason))
-            self._rejections[reason] = h
-            self._hot.append(h)
+            h = self._rejections[reason] = self.request_path.child("rejection", (reason,))
         h.observe(seconds)
 
     def admission_refused(self, code: str, single_pass: bool) -> None:
-        """One admission refusal (`tailguard_admission_refusals_total`), counted in plain Python
-        until the next scrape (a burst brings thousands)."""
+        """One admission refusal (`tailguard_admission_refusals_total`; a burst brings
+        thousands)."""
         key = (code, "single_pass" if single_pass else "generate")
-        self._refused[key] = self._refused.get(key, 0) + 1
+        refusals = self.request_path.refusals
+        refusals[key] = refusals.get(key, 0) + 1
 
     def prediction(self, single_pass: bool, actual_s: float, planned_s: float) -> None:
         """One admitted request's deadline event against the time admission planned for."""
         kind = "single_pass" if single_pass else "generate"
-        self._ratios[kind].observe(actual_s / planned_s if planned_s > 0 else 0.0)
+        ratio = actual_s / planned_s if planned_s > 0 else 0.0
+        self.request_path.child("prediction", (kind,)).observe(ratio)
 
     def calibration_now(self, single_pass: bool, calibration: Any, edges: Iterable[float]) -> None:
         """The excess admission plans for now, per prediction size (unmeasured sizes left out)."""
@@ -341,29 +438,18 @@ class ServerMetrics:
         g.labels(kind, "live").set(calibration.live_excess_s)
 
     def connection_opened(self) -> None:
-        self._conn_opened += 1
-        self._conn_active += 1
+        self.request_path.connections_opened += 1
+        self.request_path.connections_active += 1
 
     def connection_closed(self, requests: int) -> None:
         """A connection closed after `requests` requests (`tailguard_requests_per_connection`)."""
-        self._conn_active -= 1
+        self.request_path.connections_active -= 1
         self._per_conn.observe(requests)
 
     def connection_cut(self, reason: str) -> None:
         """The server ended a connection: idle, header_timeout, body_timeout, send_timeout,
         linger_timeout (`tailguard_connections_cut_total{reason}`; rare, so counted directly)."""
         self.conn_cut.labels(reason).inc()
-
-    # ---- the GC callback: time every collection in this process -----------------------------
-    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        # Only plain arithmetic here: a collection can start while this thread holds a
-        # prometheus_client lock (any allocation may trigger GC), and taking that lock again
-        # from the callback deadlocks. render() moves the total into the counter.
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-        elif self._gc_start:
-            self._gc_pending_s += time.perf_counter() - self._gc_start
-            self._gc_start = 0.0
 
     # ---- engine snapshot --------------------------------------------------------------------
     def _counter_to(self, key: str, counter: Any, total: float) -> None:
@@ -373,10 +459,10 @@ class ServerMetrics:
         self._engine_totals[key] = total
 
     def observe_engine(self, s: EngineStats, *, ready: bool, restarts: int) -> list[StepStats]:
-        """Update from a snapshot; returns the steps not seen in earlier snapshots."""
-        new = [step for step in s.recent_steps if step.t_s > self._last_step_t]
+        """Update from a snapshot; returns its steps (each engine client hands a step over
+        once: `EngineClientProtocol.stats`)."""
+        new = s.recent_steps
         for step in new:
-            self._last_step_t = step.t_s
             self.batch_size.observe(step.num_seqs)
             self.batch_tokens.observe(step.num_tokens)
             self.step_s.observe(step.step_s)
@@ -413,8 +499,7 @@ class ServerMetrics:
         self.cpu.labels("server").inc(max(cpu - self._server_cpu, 0.0))
         self._server_cpu = cpu
         self.rss.labels("server").set(_rss_bytes())
-        pending, self._gc_pending_s = self._gc_pending_s, 0.0
-        self.gc_pause.labels("server").inc(pending)
+        self._counter_to("server_gc", self.gc_pause.labels("server"), self._gc.pause_s_total)
         return generate_latest(self.registry)
 
 

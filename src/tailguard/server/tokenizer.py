@@ -8,23 +8,13 @@ checkpoint nor a tokenizer file.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
-__all__ = ["ModelInfo", "SimpleTokenizer", "Tokenizer", "load_model_info"]
+from tailguard.model.tokenizer import Tokenizer
 
-
-class Tokenizer(Protocol):
-    @property
-    def bos_id(self) -> int: ...
-    @property
-    def eos_id(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]: ...
+__all__ = ["ModelInfo", "SimpleTokenizer", "load_model_info"]
 
 
 class SimpleTokenizer:
@@ -38,10 +28,10 @@ class SimpleTokenizer:
         ids = [b + 3 for b in text.encode("utf-8")]
         return [self.bos_id, *ids] if add_bos else ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         # Mistral's v1 layout, good enough for a model-free engine.
         text = "".join(
             f"[INST] {m['content']} [/INST]" if m["role"] != "assistant" else f" {m['content']}"
