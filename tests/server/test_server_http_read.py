@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tailguard.server.app import Call
+from tailguard.server.call import Call
 from tailguard.server.http_read import BODY, HEAD, IDLE, RequestReader, blank_line_end, origin_form
 
 MAX_HEAD = 4096

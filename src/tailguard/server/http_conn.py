@@ -31,7 +31,7 @@ from tailguard.errors import RequestTimeoutError
 from tailguard.server.http_read import HEAD, RequestReader
 
 if TYPE_CHECKING:
-    from tailguard.server.app import Call
+    from tailguard.server.call import Call
     from tailguard.server.http import HttpServer
 
 __all__ = ["HttpProtocol", "date_header"]

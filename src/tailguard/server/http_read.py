@@ -33,7 +33,7 @@ from tailguard.errors import (
     UnsupportedFramingError,
     UriTooLongError,
 )
-from tailguard.server.app import Call, Conn
+from tailguard.server.call import Call, Conn
 
 if TYPE_CHECKING:
     from tailguard.server.http import HttpServer
