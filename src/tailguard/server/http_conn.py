@@ -28,11 +28,10 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 from tailguard.errors import RequestTimeoutError
-from tailguard.server.http_read import HEAD, RequestReader
+from tailguard.server.http_read import HEAD, RequestReader, SharedState
 
 if TYPE_CHECKING:
     from tailguard.server.call import Call
-    from tailguard.server.http import HttpServer
 
 __all__ = ["HttpProtocol", "date_header"]
 
@@ -82,7 +81,7 @@ class HttpProtocol(asyncio.Protocol):
         "write_paused",
     )
 
-    def __init__(self, server: HttpServer) -> None:
+    def __init__(self, server: SharedState) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.reader = RequestReader(server, self)

@@ -19,7 +19,7 @@ the connection closes after answering it.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote
 
 import httptools
@@ -36,14 +36,44 @@ from tailguard.errors import (
 from tailguard.server.call import Call, Conn
 
 if TYPE_CHECKING:
-    from tailguard.server.http import HttpServer
+    import asyncio
 
-__all__ = ["BODY", "HEAD", "IDLE", "RequestReader", "RequestSink"]
+    from tailguard.server.app import App
+    from tailguard.server.metrics import ServerMetrics
+
+__all__ = ["BODY", "HEAD", "IDLE", "RequestReader", "RequestSink", "SharedState"]
 
 log = logging.getLogger("tailguard.server")
 
 # Request phases (RequestReader.phase)
 IDLE, HEAD, BODY = 0, 1, 2
+
+
+class SharedState(Protocol):
+    """What a connection reads from the state all connections share (tailguard.server.http
+    `HttpServer`), named here so the connection modules need not import the server module that
+    imports them."""
+
+    app: App
+    loop: asyncio.AbstractEventLoop
+    metrics: ServerMetrics
+    connections: set[Any]  # the live connections (http_conn.HttpProtocol, which imports this)
+    date: bytes  # the current `date` header line
+    draining: bool
+    access_log: bool
+    max_body: int
+    max_body_wire: int  # what a chunked body may take on the wire before 413
+    max_url: int
+    max_head: int
+    max_fields: int
+    idle_timeout_s: float
+    header_timeout_s: float
+    body_timeout_s: float
+    send_timeout_s: float
+    linger_timeout_s: float
+
+    def take(self, conn: Any, data: bytes) -> None:
+        """Process `data` read on `conn` now or in a later loop iteration."""
 
 
 class RequestSink(Conn, Protocol):
@@ -120,7 +150,7 @@ class RequestReader:
         "t_arrival",
     )
 
-    def __init__(self, server: HttpServer, sink: RequestSink) -> None:
+    def __init__(self, server: SharedState, sink: RequestSink) -> None:
         self.server = server
         self.sink = sink
         self._parser = httptools.HttpRequestParser(self)
