@@ -60,3 +60,44 @@ class EngineStats(msgspec.Struct):
     step_s_ewma: float = 0.0  # recent EWMA of step wall time
     recent_steps: list[StepStats] = []  # steps since the previous snapshot
     allocator: AllocatorStats = msgspec.field(default_factory=AllocatorStats)
+
+
+def warmup_step(t_s: float, step_s: float, num_tokens: int) -> StepStats:
+    """A warm-up forward published as a step: one sequence prefilling `num_tokens`."""
+    return StepStats(t_s, step_s, 1, num_tokens, 1, num_tokens, num_tokens, 0)
+
+
+STEP_EWMA = 0.2  # weight of the newest step in the published step-time / throughput averages
+
+
+class StepLog:
+    """An engine's step bookkeeping, shared by the real and the simulated engine: the steps run
+    since the last stats snapshot (bounded, for when nobody reads them) and the recent averages
+    of step time and tokens per second that every snapshot carries."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep  # past this many unread steps, the older half is dropped
+        self.steps = 0  # serving steps run
+        self.step_s_ewma = 0.0
+        self.tokens_per_s = 0.0
+        self._recent: list[StepStats] = []
+
+    def record(self, step: StepStats) -> None:
+        """Publish a step with the next snapshot (warm-up steps come only through here)."""
+        self._recent.append(step)
+        if len(self._recent) > self.keep:
+            del self._recent[: self.keep // 2]
+
+    def ran(self, step: StepStats) -> None:
+        """A serving step: counted, averaged and published."""
+        self.steps += 1
+        a = 1.0 if self.steps == 1 else STEP_EWMA
+        self.step_s_ewma += a * (step.step_s - self.step_s_ewma)
+        rate = step.num_tokens / step.step_s if step.step_s > 0 else 0.0
+        self.tokens_per_s += a * (rate - self.tokens_per_s)
+        self.record(step)
+
+    def take(self) -> list[StepStats]:
+        """The steps since the previous call."""
+        recent, self._recent = self._recent, []
+        return recent

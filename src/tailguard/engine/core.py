@@ -19,12 +19,10 @@ from tailguard.core.block_pool import BlockPool
 from tailguard.core.gc_timer import GCTimer
 from tailguard.core.request import EngineOutput, EngineRequest
 from tailguard.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SeqResult
-from tailguard.core.stats import AllocatorStats, EngineStats, StepStats
+from tailguard.core.stats import AllocatorStats, EngineStats, StepLog, StepStats, warmup_step
 from tailguard.engine.allocator import allocator_stats
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.runner import ModelRunner
-
-EWMA = 0.2  # weight of the newest step in the recent step-time / throughput averages
 
 
 class EngineCore:
@@ -41,12 +39,9 @@ class EngineCore:
         )
         self.oom_retries = 0
         self.oom_failures = 0
-        self.steps = 0
         self.gc_timer = GCTimer()
         self._process = psutil.Process(os.getpid())
-        self._step_s_ewma = 0.0
-        self._tokens_per_s = 0.0
-        self._recent: list[StepStats] = []
+        self.log = StepLog(keep=256)
         self.warmup_done = False
 
     # ---- commands ------------------------------------------------------------------------
@@ -54,19 +49,8 @@ class EngineCore:
         if self.config.warmup:
             # warm-up forwards are real steps of known size: publish them so admission control
             # starts calibrated (the first stats snapshot carries them)
-            for seqs, tokens, secs in self.runner.warmup():
-                self._recent.append(
-                    StepStats(
-                        t_s=time.monotonic(),
-                        step_s=secs,
-                        num_seqs=seqs,
-                        num_tokens=tokens,
-                        padded_seqs=seqs,
-                        padded_tokens=tokens,
-                        num_prefill_tokens=tokens,
-                        num_decode_tokens=0,
-                    )
-                )
+            for _seqs, tokens, secs in self.runner.warmup():
+                self.log.record(warmup_step(time.monotonic(), secs, tokens))
         gc.collect()
         gc.freeze()  # everything alive now (model, pool) is never scanned again
         self.warmup_done = True
@@ -127,16 +111,10 @@ class EngineCore:
             return
         now = time.monotonic()
         dt = now - t0
-        self.steps += 1
         n_tokens = plan.num_tokens
         shape = self.runner.last_shape
-        self._step_s_ewma = dt if self.steps == 1 else (1 - EWMA) * self._step_s_ewma + EWMA * dt
-        rate = n_tokens / dt if dt > 0 else 0.0
-        self._tokens_per_s = (
-            rate if self.steps == 1 else (1 - EWMA) * self._tokens_per_s + EWMA * rate
-        )
         decode = sum(1 for s in plan.scheduled if s.num_new == 1)
-        self._recent.append(
+        self.log.ran(
             StepStats(
                 t_s=now,
                 step_s=dt,
@@ -148,18 +126,15 @@ class EngineCore:
                 num_decode_tokens=decode,
             )
         )
-        if len(self._recent) > 256:  # nobody asked for a snapshot in a long while
-            del self._recent[:128]
 
     def stats(self) -> EngineStats:
         """A snapshot; takes the steps recorded since the previous snapshot."""
-        recent, self._recent = self._recent, []
         cpu = self._process.cpu_times()
         alloc: AllocatorStats = allocator_stats(self.runner.device, self._process.memory_info().rss)
         return self.scheduler.fill_stats(
             EngineStats(
                 t_s=time.monotonic(),
-                steps_total=self.steps,
+                steps_total=self.log.steps,
                 oom_retries_total=self.oom_retries,
                 oom_failures_total=self.oom_failures,
                 kv_allocations_total=self.runner.device_allocations(),
@@ -171,9 +146,9 @@ class EngineCore:
                 gc_collections_total=self.gc_timer.collections,
                 cpu_seconds_total=cpu.user + cpu.system,
                 intra_op_threads=torch.get_num_threads(),
-                tokens_per_s=self._tokens_per_s,
-                step_s_ewma=self._step_s_ewma,
-                recent_steps=recent,
+                tokens_per_s=self.log.tokens_per_s,
+                step_s_ewma=self.log.step_s_ewma,
+                recent_steps=self.log.take(),
                 allocator=alloc,
             )
         )

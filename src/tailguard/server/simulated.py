@@ -22,7 +22,7 @@ import time
 from tailguard.core.block_pool import BlockPool
 from tailguard.core.request import EngineRequest, RequestKind
 from tailguard.core.scheduler import Scheduler, SchedulerOutput, SeqResult
-from tailguard.core.stats import EngineStats, StepStats
+from tailguard.core.stats import EngineStats, StepLog, StepStats, warmup_step
 from tailguard.engine.router import RequestRouter, RoutedClient
 from tailguard.errors import EngineUnavailableError
 from tailguard.server.stub import fake_embedding, fake_token, fake_top_logprobs
@@ -31,7 +31,6 @@ __all__ = ["SimulatedEngineClient"]
 
 BLOCK_SIZE = 16
 EOS_ID = 2  # SimpleTokenizer's; fake tokens are letters, so only a stop token ends early
-EWMA = 0.2  # weight of the newest step in the published averages (as the real engine)
 KEEP_STEPS = 1024  # step records kept until `stats` is read
 
 
@@ -67,10 +66,7 @@ class SimulatedEngineClient(RoutedClient):
         self._task: asyncio.Task[None] | None = None
         self._ready = False
         self._restarts = 0
-        self._steps = 0
-        self._step_s_ewma = 0.0
-        self._tokens_per_s_ewma = 0.0
-        self._recent: list[StepStats] = []
+        self.log = StepLog(keep=KEEP_STEPS)
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(
@@ -88,7 +84,9 @@ class SimulatedEngineClient(RoutedClient):
         await asyncio.sleep(self.warmup_s)
         t = time.monotonic()
         for i, n in enumerate((16, 64, 256, self.max_num_batched_tokens)):
-            self._record(t + i * 1e-6, self.step_overhead_s + n / self.tokens_per_s, 1, n, n)
+            self.log.record(
+                warmup_step(t + i * 1e-6, self.step_overhead_s + n / self.tokens_per_s, n)
+            )
         self._ready = True
         self._task = asyncio.create_task(self._loop(), name="simulated-engine")
 
@@ -136,17 +134,16 @@ class SimulatedEngineClient(RoutedClient):
 
     @property
     def stats(self) -> EngineStats:
-        recent, self._recent = self._recent, []
         return self.scheduler.fill_stats(
             EngineStats(
                 t_s=time.monotonic(),
-                steps_total=self._steps,
+                steps_total=self.log.steps,
                 warmup_done=self._ready,
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
-                tokens_per_s=self._tokens_per_s_ewma,
-                step_s_ewma=self._step_s_ewma,
-                recent_steps=recent,
+                tokens_per_s=self.log.tokens_per_s,
+                step_s_ewma=self.log.step_s_ewma,
+                recent_steps=self.log.take(),
             )
         )
 
@@ -173,27 +170,19 @@ class SimulatedEngineClient(RoutedClient):
 
     def _after_step(self, plan: SchedulerOutput, now: float, step_s: float) -> None:
         decode = sum(1 for s in plan.scheduled if s.num_new == 1 and not s.seq.is_single_pass)
-        self._steps += 1
-        a = EWMA if self._steps > 1 else 1.0
-        self._step_s_ewma += a * (step_s - self._step_s_ewma)
-        self._tokens_per_s_ewma += a * (plan.num_tokens / step_s - self._tokens_per_s_ewma)
-        self._record(now, step_s, len(plan.scheduled), plan.num_tokens, plan.num_tokens - decode)
-
-    def _record(self, t_s: float, step_s: float, seqs: int, tokens: int, prefill: int) -> None:
-        self._recent.append(
+        seqs, tokens = len(plan.scheduled), plan.num_tokens
+        self.log.ran(
             StepStats(
-                t_s=t_s,
+                t_s=now,
                 step_s=step_s,
                 num_seqs=seqs,
                 num_tokens=tokens,
                 padded_seqs=seqs,
                 padded_tokens=tokens,
-                num_prefill_tokens=prefill,
-                num_decode_tokens=tokens - prefill,
+                num_prefill_tokens=tokens - decode,
+                num_decode_tokens=decode,
             )
         )
-        if len(self._recent) > KEEP_STEPS:  # nobody is reading: keep memory bounded
-            del self._recent[: KEEP_STEPS // 2]
 
 
 def _fake_results(plan: SchedulerOutput) -> list[SeqResult]:

@@ -93,4 +93,28 @@ def summary(evidence: Sequence[Evidence], fallback: str) -> str:
     return "; ".join(fmt(e) for e in fired) if fired else fallback
 
 
-__all__ = ["Cause", "Evidence", "Finding", "combine", "ev", "fmt", "summary"]
+class Strongest:
+    """The window (server) whose evidence is strongest, across the windows a rule looks at;
+    a later window wins a tie. `finding` turns it into the rule's finding."""
+
+    def __init__(self) -> None:
+        self.conf = 0.0
+        self.evidence: list[Evidence] = []
+        self.where = ""
+
+    def offer(self, evidence: list[Evidence], where: str, conf: float | None = None) -> None:
+        """One window's evidence; `conf` overrides `combine(evidence)` (a rule's own discount)."""
+        c = combine(evidence) if conf is None else round(conf, 3)
+        if c >= self.conf:
+            self.conf, self.evidence, self.where = c, evidence, where
+
+    def finding(
+        self, cause: Cause, title: str, fix: tuple[str, ...], healthy: str, missing: str = ""
+    ) -> Finding:
+        """`healthy`: the summary when nothing fired; `missing`: when no window had figures."""
+        text = summary(self.evidence, healthy) if self.evidence or not missing else missing
+        return Finding(cause=cause, title=title, confidence=self.conf, summary=text,
+                       evidence=tuple(self.evidence), fix=fix, where=self.where)  # fmt: skip
+
+
+__all__ = ["Cause", "Evidence", "Finding", "Strongest", "combine", "ev", "fmt", "summary"]

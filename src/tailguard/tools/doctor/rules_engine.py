@@ -5,7 +5,15 @@ and KV-pool exhaustion. Each returns a Finding (finding.py); diagnosis.py runs t
 from __future__ import annotations
 
 from tailguard.tools.doctor import thresholds as T
-from tailguard.tools.doctor.finding import Cause, Evidence, Finding, combine, ev, summary
+from tailguard.tools.doctor.finding import (
+    Cause,
+    Evidence,
+    Finding,
+    Strongest,
+    combine,
+    ev,
+    summary,
+)
 from tailguard.tools.doctor.loadreport import LoadSummary
 from tailguard.tools.doctor.observation import (
     LATENCY,
@@ -137,7 +145,7 @@ def overload(obs: Observation, sym: Symptom) -> Finding:
 def admission(obs: Observation, sym: Symptom) -> Finding:
     """Admission's cost model is wrong: it refuses work the engine had room for, or it admits
     work that then misses its deadline (tailguard_admission_prediction_ratio)."""
-    best: tuple[float, list[Evidence], str] = (0.0, [], "")
+    best = Strongest()
     for sw in obs.servers:
         if sw.kind == "vllm":
             continue
@@ -160,19 +168,12 @@ def admission(obs: Observation, sym: Symptom) -> Finding:
             ev("predictions with 2x margin (ratio <= 0.5) while refusing", generous, 0.9,
                refusing and generous > 0.9, 0.3, where=w, risk=True),
         ]  # fmt: skip
-        conf = combine(ev_)
-        if conf >= best[0]:
-            best = (conf, ev_, w)
-    conf, evidence, where = best
-    return Finding(
-        cause=Cause.ADMISSION,
-        title="admission control mis-calibrated (its cost model is wrong)",
-        confidence=conf,
-        summary=summary(evidence, "predictions hold; refusals only with a busy engine")
-        if evidence
-        else "no tailguard admission figures (vLLM, or another server)",
-        evidence=tuple(evidence),
-        where=where,
+        best.offer(ev_, w)
+    return best.finding(
+        Cause.ADMISSION,
+        "admission control mis-calibrated (its cost model is wrong)",
+        healthy="predictions hold; refusals only with a busy engine",
+        missing="no tailguard admission figures (vLLM, or another server)",
         fix=(
             "check the calibration: tailguard_admission_excess_seconds per size class, and "
             'tailguard_admission_prediction_ratio bucket{le="1.0"}/count (share that held)',
@@ -185,7 +186,7 @@ def admission(obs: Observation, sym: Symptom) -> Finding:
 def prefill_heavy(obs: Observation, sym: Symptom) -> Finding:
     """Long prompts take whole steps while decodes and short prompts wait behind them."""
     sla = sym.sla_s
-    best: tuple[float, list[Evidence], str] = (0.0, [], "")
+    best = Strongest()
     for sw in obs.servers:
         w = sw.name
         tps = tokens_per_seq(sw)
@@ -219,16 +220,11 @@ def prefill_heavy(obs: Observation, sym: Symptom) -> Finding:
         conf = combine(ev_)
         if not any(e.fired and e.weight == 0.5 for e in ev_):  # long steps alone: not prompts
             conf *= 0.3
-        if conf >= best[0]:
-            best = (round(conf, 3), ev_, w)
-    conf, evidence, where = best
-    return Finding(
-        cause=Cause.PREFILL,
-        title="prefill-heavy traffic (long prompts take whole steps)",
-        confidence=conf,
-        summary=summary(evidence, "steps are mostly decode; prompts short"),
-        evidence=tuple(evidence),
-        where=where,
+        best.offer(ev_, w, conf)
+    return best.finding(
+        Cause.PREFILL,
+        "prefill-heavy traffic (long prompts take whole steps)",
+        healthy="steps are mostly decode; prompts short",
         fix=(
             "bound the prompt tokens per step (max_num_batched_tokens) so a long prompt is "
             "chunked across steps and decodes keep running between its chunks",
@@ -240,7 +236,7 @@ def prefill_heavy(obs: Observation, sym: Symptom) -> Finding:
 
 def kv_exhaustion(obs: Observation, sym: Symptom) -> Finding:
     """The KV pool runs dry: sequences are preempted and their prefill recomputed later."""
-    best: tuple[float, list[Evidence], str] = (0.0, [], "")
+    best = Strongest()
     for sw in obs.servers:
         w = sw.name
         preempt = sw.delta("tailguard_preemptions_total")
@@ -257,19 +253,12 @@ def kv_exhaustion(obs: Observation, sym: Symptom) -> Finding:
             ev("KV usage at a window end", usage, T.KV_USAGE_FULL, usage >= T.KV_USAGE_FULL, 0.25,
                where=w),
         ]  # fmt: skip
-        conf = combine(ev_)
-        if conf >= best[0]:
-            best = (conf, ev_, w)
-    conf, evidence, where = best
-    return Finding(
-        cause=Cause.KV_EXHAUSTION,
-        title="KV-pool exhaustion (preemptions and recomputes)",
-        confidence=conf,
-        summary=summary(evidence, "no preemptions; the KV pool has room")
-        if evidence
-        else "no KV figures exported",
-        evidence=tuple(evidence),
-        where=where,
+        best.offer(ev_, w)
+    return best.finding(
+        Cause.KV_EXHAUSTION,
+        "KV-pool exhaustion (preemptions and recomputes)",
+        healthy="no preemptions; the KV pool has room",
+        missing="no KV figures exported",
         fix=(
             "give the KV pool more blocks (gpu_memory_utilization / num_kv_blocks) or run more "
             "replicas",

@@ -5,7 +5,7 @@ cores (noisy neighbour) and garbage-collector pauses. diagnosis.py runs them wit
 from __future__ import annotations
 
 from tailguard.tools.doctor import thresholds as T
-from tailguard.tools.doctor.finding import Cause, Evidence, Finding, combine, ev, summary
+from tailguard.tools.doctor.finding import Cause, Evidence, Finding, Strongest, combine, ev, summary
 from tailguard.tools.doctor.observation import Observation, Symptom
 from tailguard.tools.doctor.rules import lag_slow_share
 
@@ -64,7 +64,7 @@ def noisy_neighbour(obs: Observation, sym: Symptom) -> Finding:
 
 def gc_pauses(obs: Observation, sym: Symptom) -> Finding:
     """Garbage-collector pauses stop every request of a process (tailguard_gc_pause_seconds)."""
-    best: tuple[float, list[Evidence], str] = (0.0, [], "")
+    best = Strongest()
     for sw in obs.servers:
         if not sw.has("tailguard_gc_pause_seconds_total"):
             continue
@@ -85,19 +85,12 @@ def gc_pauses(obs: Observation, sym: Symptom) -> Finding:
             ev("event-loop lag share over SLA/3", lag, T.LOOP_LAG_SLOW_SHARE,
                share > T.GC_MISS_SHARE and lag > T.LOOP_LAG_SLOW_SHARE, 0.25, where=w),
         ]  # fmt: skip
-        conf = combine(ev_)
-        if conf >= best[0]:
-            best = (conf, ev_, w)
-    conf, evidence, where = best
-    return Finding(
-        cause=Cause.GC,
-        title="garbage-collector pauses",
-        confidence=conf,
-        summary=summary(evidence, "GC pauses are a small share of the window")
-        if evidence
-        else "no GC pause figures exported",
-        evidence=tuple(evidence),
-        where=where,
+        best.offer(ev_, w)
+    return best.finding(
+        Cause.GC,
+        "garbage-collector pauses",
+        healthy="GC pauses are a small share of the window",
+        missing="no GC pause figures exported",
         fix=(
             "find what allocates: long-lived object graphs (caches of dicts, per-request "
             "objects kept alive) make every full collection walk them",

@@ -11,7 +11,9 @@ import argparse
 import asyncio
 import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from tailguard.tools.lab.random_lab import draw, matrix, score, score_line
 from tailguard.tools.lab.report import acceptance, confusion_matrix, side_by_side
@@ -107,11 +109,8 @@ def run_random(args: argparse.Namespace, cfg: LabConfig) -> int:
             await asyncio.sleep(cfg.gap_s)
         return out
 
-    signal.signal(signal.SIGTERM, _on_term)
-    try:
-        results = asyncio.run(all_runs())
-    except KeyboardInterrupt:
-        print("tailguard lab: interrupted; the processes it started were stopped", file=sys.stderr)
+    results = _run_stoppable(all_runs())
+    if results is None:
         return 2
     print()
     print(side_by_side(results))
@@ -120,14 +119,29 @@ def run_random(args: argparse.Namespace, cfg: LabConfig) -> int:
     s = score(results)
     print()
     print(score_line(s))
+    return _finish(args, results, ran=s.judged, passed=s.passed)
+
+
+def _run_stoppable(runs: Coroutine[Any, Any, list[SideResult]]) -> list[SideResult] | None:
+    """Run the lab's processes; None when interrupted (everything it started is stopped)."""
+    signal.signal(signal.SIGTERM, _on_term)
+    try:
+        return asyncio.run(runs)
+    except KeyboardInterrupt:
+        print("tailguard lab: interrupted; the processes it started were stopped", file=sys.stderr)
+        return None
+
+
+def _finish(args: argparse.Namespace, results: list[SideResult], ran: int, passed: bool) -> int:
+    """Write the JSON, say whether acceptance was met: exit 0 met, 1 not met, 2 nothing ran."""
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(results_json(results) + "\n")
-    if s.judged == 0:
+    if ran == 0:
         print("nothing could run")
         return 2
-    print("acceptance: " + ("met" if s.passed else "NOT met"))
-    return 0 if s.passed else 1
+    print("acceptance: " + ("met" if passed else "NOT met"))
+    return 0 if passed else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,11 +176,8 @@ def run(args: argparse.Namespace) -> int:
         what = r.error or f"doctor: {r.verdict.value if r.verdict else '?'}"
         print(f"  {r.scenario}/{r.side} run {r.run}: {what}", flush=True)
 
-    signal.signal(signal.SIGTERM, _on_term)
-    try:
-        results = asyncio.run(run_scenarios(scenarios, cfg, progress))
-    except KeyboardInterrupt:
-        print("tailguard lab: interrupted; the processes it started were stopped", file=sys.stderr)
+    results = _run_stoppable(run_scenarios(scenarios, cfg, progress))
+    if results is None:
         return 2
     print()
     print(side_by_side(results))
@@ -178,11 +189,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipped: {s}")
     for f in verdict.failures:
         print(f"FAILED: {f}")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(results_json(results) + "\n")
-    if verdict.ran == 0:
-        print("nothing could run")
-        return 2
-    print("acceptance: " + ("met" if verdict.passed else "NOT met"))
-    return 0 if verdict.passed else 1
+    return _finish(args, results, ran=verdict.ran, passed=verdict.passed)
