@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -274,6 +275,25 @@ def print_levels(w: Workload, oracle: float, levels: list[OpenLevel]) -> None:
         )
 
 
+def _batch_line(batch: Any, n: int, oracle: float, sla_s: float) -> tuple[str, bool]:
+    ideal = n / oracle if oracle else math.inf
+    within = sum(x <= sla_s for x in batch.latencies_s) / n
+    retries = batch.retries or 0
+    met = (
+        batch.makespan_s <= 1.15 * ideal
+        and within >= 0.99
+        and retries <= 0.02 * n
+        and batch.lost == 0
+        and batch.duplicated == 0
+    )
+    return (
+        f"batch {n}: makespan {batch.makespan_s:.2f} s / oracle {ideal:.2f} s = "
+        f"{batch.makespan_s / ideal:.3f}x (target <= 1.15x), within SLA {within:.2%}, "
+        f"retries {retries} ({retries / n:.2%}, target <= 2%), lost {batch.lost}, "
+        f"duplicated {batch.duplicated}: {'met' if met else 'MISSED'}"
+    ), met
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="infer,complete1,gen16")
@@ -289,6 +309,13 @@ def main() -> int:
     ap.add_argument("--gap-s", type=float, default=3.0, help="pause between levels")
     ap.add_argument("--quick", action="store_true", help="a seconds-long functional run")
     ap.add_argument("--server-arg", action="append", default=[], help="extra serve argument")
+    ap.add_argument(
+        "--baseline-arg",
+        action="append",
+        default=[],
+        help="serve argument of a second admission server run level by level beside the "
+        "default one (e.g. --baseline-arg=--admission-max-request-risk=0); ratios printed",
+    )
     ap.add_argument("--json", type=Path, help="also write every figure here")
     a = ap.parse_args()
     if a.quick:
@@ -324,74 +351,90 @@ def main() -> int:
             print(f"    oracle goodput {oracles[w.name]:.1f}/s", flush=True)
             time.sleep(a.gap_s)
 
-    results: dict[str, list[OpenLevel]] = {}
-    batch = None
+    variants = {"admission": []} | ({"baseline": a.baseline_arg} if a.baseline_arg else {})
+    results: dict[str, dict[str, list[OpenLevel]]] = {v: {} for v in variants}
+    batches: dict[str, Any] = {}
     print(f"2. default admission, open loop, {a.level_s:g} s per level", flush=True)
-    ctx, base = server("admission")
-    with ctx:
+    if a.baseline_arg:
+        print(f"   baseline: admission with {' '.join(a.baseline_arg)}, level by level beside it")
+    with contextlib.ExitStack() as stack:
+        bases = {}
+        for v, flags in variants.items():
+            ctx, bases[v] = server(v, *flags)
+            stack.enter_context(ctx)
         for w in workloads:
-            results[w.name] = []
             for f in factors:
                 rate = max(1.0, f * oracles[w.name])
-                lv = _run(open_loop(base, w, rate, a.level_s, sla_s, seed=int(f * 100)))
-                lv.factor = f
-                lv.target_goodput = min(lv.offered, oracles[w.name])
-                results[w.name].append(lv)
-                print(
-                    f"    {w.name} {f:g}x: offered {lv.offered:.0f}/s goodput "
-                    f"{lv.goodput:.0f}/s refused {lv.refused}/{lv.sent}",
-                    flush=True,
-                )
-                time.sleep(a.gap_s)
+                for v, base in bases.items():
+                    lv = _run(open_loop(base, w, rate, a.level_s, sla_s, seed=int(f * 100)))
+                    lv.factor = f
+                    lv.target_goodput = min(lv.offered, oracles[w.name])
+                    results[v].setdefault(w.name, []).append(lv)
+                    print(
+                        f"    {v} {w.name} {f:g}x: offered {lv.offered:.0f}/s goodput "
+                        f"{lv.goodput:.0f}/s refused {lv.refused}/{lv.sent}",
+                        flush=True,
+                    )
+                    time.sleep(a.gap_s)
         if "complete1" in oracles and a.batch_requests:
             n = a.batch_requests
-            print(f"3. tailguard batch: {n} one-token completions", flush=True)
-            body = {"prompt": "batch job", "max_tokens": 1, "temperature": 0}
             rng = random.Random(7)
             bodies = [WORKLOADS["complete1"].body(rng, i) for i in range(n)]
-            with tempfile.TemporaryDirectory() as tmp:
-                batch = run_tailguard(
-                    base, n, body, a.sla_ms, Path(tmp), path="/v1/completions", bodies=bodies
-                )
+            body = {"prompt": "batch job", "max_tokens": 1, "temperature": 0}
+            for v, base in bases.items():
+                print(f"3. tailguard batch ({v}): {n} one-token completions", flush=True)
+                with tempfile.TemporaryDirectory() as tmp:
+                    batches[v] = run_tailguard(
+                        base, n, body, a.sla_ms, Path(tmp), path="/v1/completions", bodies=bodies
+                    )
+                time.sleep(a.gap_s)
 
-    print("\nsummary (client-side times, from each request's intended send time)")
-    for w in workloads:
-        print_levels(w, oracles[w.name], results[w.name])
     lines = []
-    for w in workloads:
-        for lv in results[w.name]:
+    ok = True
+    for v in variants:
+        print(f"\nsummary, {v} (client-side times, from each request's intended send time)")
+        for w in workloads:
+            print_levels(w, oracles[w.name], results[v][w.name])
+    for v in variants:
+        tag = "" if v == "admission" else f"[{v}] "
+        for w in workloads:
+            for lv in results[v][w.name]:
+                lines.append(
+                    f"{tag}goodput {w.name} {lv.factor:g}x: {lv.goodput_share:.3f} of "
+                    f"min(offered, oracle) (target >= 0.90), admitted in time "
+                    f"{lv.in_time_share:.2%} (target >= 99%): {'met' if lv.met else 'MISSED'}"
+                )
+        batch_ok = True
+        if v in batches:
+            line, batch_ok = _batch_line(batches[v], a.batch_requests, oracles["complete1"], sla_s)
+            lines.append(tag + line)
+        if v == "admission":
+            ok = batch_ok and all(lv.met for lvs in results[v].values() for lv in lvs)
+    if a.baseline_arg:
+        for w in workloads:
+            pairs = zip(results["admission"][w.name], results["baseline"][w.name], strict=True)
+            for x, y in pairs:
+                ratio = x.goodput / y.goodput if y.goodput else math.inf
+                lines.append(
+                    f"admission / baseline goodput {w.name} {x.factor:g}x: {ratio:.3f} "
+                    f"(in time {x.in_time_share:.2%} vs {y.in_time_share:.2%})"
+                )
+        if len(batches) == 2:
+            x, y = batches["admission"], batches["baseline"]
             lines.append(
-                f"goodput {w.name} {lv.factor:g}x: {lv.goodput_share:.3f} of "
-                f"min(offered, oracle) (target >= 0.90), admitted in time "
-                f"{lv.in_time_share:.2%} (target >= 99%): {'met' if lv.met else 'MISSED'}"
+                f"admission / baseline batch makespan: {x.makespan_s / y.makespan_s:.3f} "
+                f"(retries {x.retries} vs {y.retries})"
             )
-    ok = all(lv.met for lvs in results.values() for lv in lvs)
-    if batch is not None:
-        n = a.batch_requests
-        ideal = n / oracles["complete1"] if oracles["complete1"] else math.inf
-        within = sum(x <= sla_s for x in batch.latencies_s) / n
-        retries = batch.retries or 0
-        batch_ok = (
-            batch.makespan_s <= 1.15 * ideal
-            and within >= 0.99
-            and retries <= 0.02 * n
-            and batch.lost == 0
-            and batch.duplicated == 0
-        )
-        ok = ok and batch_ok
-        lines.append(
-            f"batch {n}: makespan {batch.makespan_s:.2f} s / oracle {ideal:.2f} s = "
-            f"{batch.makespan_s / ideal:.3f}x (target <= 1.15x), within SLA {within:.2%}, "
-            f"retries {retries} ({retries / n:.2%}, target <= 2%), lost {batch.lost}, "
-            f"duplicated {batch.duplicated}: {'met' if batch_ok else 'MISSED'}"
-        )
     if a.json:
         a.json.write_text(
             json.dumps(
                 {
                     "oracle": oracles,
-                    "levels": {k: [vars(x) for x in v] for k, v in results.items()},
-                    "batch": None if batch is None else vars(batch) | {"latencies_s": None},
+                    "levels": {
+                        v: {k: [vars(x) for x in lv] for k, lv in r.items()}
+                        for v, r in results.items()
+                    },
+                    "batch": {v: vars(b) | {"latencies_s": None} for v, b in batches.items()},
                 },
                 default=str,
                 indent=1,

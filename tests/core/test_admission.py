@@ -363,3 +363,48 @@ def test_misses_of_one_output_batch_count_once() -> None:
         cal.observe(0.030, 0.180, now_s=2.2 + _ * 0.01)
     cal.refresh(2.3)
     assert cal.excess_s(0.030) == pytest.approx(0.150)
+
+
+def test_the_ladder_runs_from_the_window_max_through_the_target_to_the_largest_risk() -> None:
+    assert AdmissionConfig().ladder() == (1.0, 0.995, 0.99, 0.98, 0.95, 0.9)
+    assert AdmissionConfig(max_request_risk=0.0).ladder() == (1.0, 0.995, 0.99)
+    assert AdmissionConfig(target_quantile=0.9).ladder() == (1.0, 0.95, 0.9)
+    with pytest.raises(ValueError, match="max_request_risk"):
+        AdmissionConfig(max_request_risk=0.5)
+
+
+def _two_in_a_hundred_late(c: AdmissionController, raw: float) -> None:
+    """The class of `raw` measured: 98 answers 1 ms late, 2 held up 200 ms by stalls."""
+    cal = c.calibration[True]
+    for i in range(100):
+        cal.observe(raw, raw + (0.2 if i in (30, 70) else 0.001), now_s=i * 0.001)
+    cal.refresh(0.1)
+
+
+def test_an_edge_request_spends_the_miss_budget_instead_of_being_refused() -> None:
+    """The target (99% in time) is an aggregate: a request whose only risk is the 2% stall
+    tail is refused when every request must plan for the 0.99 quantile, and admitted while the
+    recently admitted ones' expected misses leave room; once they do not, it is refused."""
+    strict = make(calibration_min_samples=4, calibration_window=100, max_request_risk=0.0)
+    loose = make(calibration_min_samples=4, calibration_window=100)
+    for c in (strict, loose):
+        assert decide(c, "held", tokens=10, deadline=10.0).admitted  # the ledger is not idle
+        _two_in_a_hundred_late(c, c.engine_s(100, interactive=True, now_s=0.0))
+    d = decide(strict, "x", tokens=100)
+    assert not d.admitted and d.code == "late"
+    raw = loose.engine_s(100, interactive=True, now_s=0.0)
+    d = decide(loose, "x", tokens=100)
+    assert d.admitted and d.predicted_s == pytest.approx(raw + 0.001)
+    assert loose.expected_miss_share == pytest.approx(0.02 / 100)  # planned at the 0.98 quantile
+    loose.release("x")
+    admitted = 1
+    while decide(loose, f"x{admitted}", tokens=100).admitted:
+        loose.release(f"x{admitted}")
+        admitted += 1
+        assert admitted < 1000
+    # the average risk reaches the 1% budget after ~68 such admissions (0.02 * (1 - 0.99^n))
+    assert 60 <= admitted <= 75 and loose.expected_miss_share == pytest.approx(0.01, abs=3e-4)
+    # a request with room even for the stall carries no risk, and pays the budget back
+    before = loose.expected_miss_share
+    assert decide(loose, "safe", tokens=100, deadline=1.0).admitted
+    assert loose.expected_miss_share == pytest.approx(before * 0.99)

@@ -91,8 +91,13 @@ class AdmissionConfig:
     batch_share: float = 0.8
     """Share of the caps batch-priority work may fill; the rest is kept for interactive work."""
     target_quantile: float = 0.99
-    """Plan for this quantile of the measured prediction error: the share of admitted requests
-    meant to meet their deadline."""
+    """The share of admitted requests meant to meet their deadline. Admission plans each request
+    for this quantile of the measured prediction error, or for a looser one (down to
+    `1 - max_request_risk`) while the recently admitted requests' expected misses leave room in
+    the budget `1 - target_quantile` (see `risk_budget`)."""
+    max_request_risk: float = 0.1
+    """The largest chance of missing its deadline that one admitted request may carry, when
+    the recent ones leave room in the budget (0: plan every request for the target quantile)."""
     calibration_window: int = 512
     """Recent answers whose prediction error is kept, per kind (completion, first token)."""
     calibration_min_samples: int = 32
@@ -130,6 +135,10 @@ class AdmissionConfig:
             f"target_quantile={self.target_quantile}: in [0.5, 1), e.g. 0.99",
         )
         need(
+            0.0 <= self.max_request_risk <= 0.25,
+            f"max_request_risk={self.max_request_risk}: in [0, 0.25], e.g. 0.1",
+        )
+        need(
             self.calibration_window >= self.calibration_min_samples >= 1,
             f"calibration_window={self.calibration_window} must be >= "
             f"calibration_min_samples={self.calibration_min_samples} >= 1",
@@ -150,6 +159,21 @@ class AdmissionConfig:
             f"max_retry_after_s={self.max_retry_after_s}",
         )
 
+    @property
+    def miss_budget(self) -> float:
+        """The expected share of admitted requests allowed to miss their deadline."""
+        return 1.0 - self.target_quantile
+
+    def ladder(self) -> tuple[float, ...]:
+        """The quantiles admission may plan a request for, tightest first: the window's largest
+        error (a request that fits even that carries no measured risk), half the budget, the
+        target, then looser ones up to `max_request_risk`."""
+        b = self.miss_budget
+        risks = [0.0, b / 2, b] + [r * b for r in (2, 5, 10, 20) if r * b < self.max_request_risk]
+        if self.max_request_risk > b:
+            risks.append(self.max_request_risk)
+        return tuple(sorted({round(1.0 - r, 9) for r in risks}, reverse=True))
+
     def calibration(self) -> Calibration:
         return Calibration(
             quantile=self.target_quantile,
@@ -158,6 +182,7 @@ class AdmissionConfig:
             prior_ratio=self.prior_ratio,
             prior_excess_s=self.prior_excess_s,
             max_age_s=self.calibration_max_age_s,
+            ladder=self.ladder(),
         )
 
 
@@ -223,6 +248,10 @@ class AdmissionController:
         self._waiting_interactive = _Waiting()
         self._queued_tokens = 0  # prompt + remaining output over the whole ledger
         self._step_start_s = 0.0  # monotonic: when the engine's current step began (estimated)
+        ladder = self.calibration[True].ladder
+        self._level_risk = tuple(1.0 - q for q in ladder)  # chance of a miss, per ladder level
+        self._target_level = self.calibration[True].target_level
+        self._risk_avg = 0.0  # recent admissions' average risk (a moving average)
 
     # ---- ledger -------------------------------------------------------------------------------
     @property
@@ -393,13 +422,8 @@ class AdmissionController:
         cfg = self.config
         interactive = priority == Priority.INTERACTIVE
         engine = self.engine_s(prompt_tokens, interactive=interactive, now_s=now_s)
-        predicted = self.calibration[single_pass].bound(engine) + self.frontend_delay_s
-        if not self._items:
-            # Nothing admitted is in flight: the engine starts this one now, and refusing it
-            # protects nobody. Only its own compute can make it late (a calibration still
-            # holding a past stall's misses must not turn an idle server's work away).
-            predicted = min(predicted, engine + self.frontend_delay_s)
         left = deadline_s - now_s
+        level, predicted = self._plan(engine, left, single_pass)
         refusal = self._refusal(
             interactive, prompt_tokens + output_tokens, predicted, left, single_pass
         )
@@ -409,12 +433,56 @@ class AdmissionController:
         if commit:
             item = WorkItem(priority, prompt_tokens, output_tokens, single_pass, now_s, engine)
             self._enter(request_id, item)
+            self._spend(self._level_risk[level])
         if not cfg.enabled:
             return Decision(True, predicted, math.inf, 0.0, "")
         # The engine drops it unstarted past this instant: a single-pass request that starts
         # later than deadline - its own compute could not finish in time anyway.
         own = self.cost.step_s(prompt_tokens) if single_pass else 0.0
         return Decision(True, predicted, deadline_s - own, 0.0, "")
+
+    # ---- the miss budget ----------------------------------------------------------------------
+    def _plan(self, engine: float, left: float, single_pass: bool) -> tuple[int, float]:
+        """(ladder level, planned time) for a raw prediction: the tightest level of the
+        calibration ladder at which it fits the time left, among those the miss budget allows
+        now; when none fits, the loosest allowed (the request will be refused for it)."""
+        cal = self.calibration[single_pass]
+        delay = self.frontend_delay_s
+        loosest = self._allowed_level()
+        if not self._items:
+            # Nothing admitted is in flight: the engine starts this one now, and refusing it
+            # protects nobody. Only its own compute can make it late (a calibration still
+            # holding a past stall's misses must not turn an idle server's work away).
+            return 0, min(cal.bound(engine, loosest), engine) + delay
+        predicted = cal.bound(engine, loosest) + delay
+        if predicted > left:
+            return loosest, predicted
+        for level in range(loosest):  # tightest first: the risk it carries is the least
+            tighter = cal.bound(engine, level) + delay
+            if tighter <= left:
+                return level, tighter
+        return loosest, predicted
+
+    def _allowed_level(self) -> int:
+        """The loosest ladder level a request may be planned for now: the target quantile
+        always; a looser one while the recently admitted requests' expected misses (their
+        average risk, over about a calibration window of admissions) stay under the budget
+        with this one admitted too."""
+        budget = self.config.miss_budget
+        room = self._risk_avg + (budget - self._risk_avg) * self.config.calibration_window
+        allowed = self._target_level
+        for level in range(self._target_level + 1, len(self._level_risk)):
+            if self._level_risk[level] <= room:
+                allowed = level
+        return allowed
+
+    def _spend(self, risk: float) -> None:
+        self._risk_avg += (risk - self._risk_avg) / self.config.calibration_window
+
+    @property
+    def expected_miss_share(self) -> float:
+        """The recently admitted requests' average chance of missing their deadline."""
+        return self._risk_avg
 
     def _refusal(
         self, interactive: bool, tokens: int, predicted: float, left: float, single_pass: bool

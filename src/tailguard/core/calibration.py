@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable
 
 __all__ = ["EDGES_S", "Calibration", "RecentMax", "StepCostModel"]
 
@@ -84,8 +83,7 @@ class StepCostModel:
         return self.a + self.b * num_tokens
 
 
-def _quantile(samples: Iterable[float], q: float) -> float:
-    ordered = sorted(samples)
+def _quantile_sorted(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
@@ -132,18 +130,25 @@ class Calibration:
         prior_ratio: float,
         prior_excess_s: float,
         max_age_s: float = 30.0,
+        ladder: tuple[float, ...] = (),
     ) -> None:
         self.quantile = quantile
+        # Every quantile kept, tightest (highest) first; `level` arguments index it.
+        self.ladder = tuple(sorted({quantile, *ladder}, reverse=True))
+        self.target_level = self.ladder.index(quantile)
         self.min_samples = min_samples
         self.prior_ratio = prior_ratio
         self.prior_excess_s = prior_excess_s
         self.max_age_s = max_age_s
-        n = len(EDGES_S) + 1
+        n, m = len(EDGES_S) + 1, len(self.ladder)
         self._samples = [deque[tuple[float, float]](maxlen=window) for _ in range(n)]  # (t, excess)
         self._dirty: set[int] = set()  # classes with new or expired samples
-        self._measured: list[float | None] = [None] * n  # each class's own quantile
-        self._own: list[float | None] = [None] * n  # the excess planned for, per class
-        self._floor: list[float] = [0.0] * n  # the bound at the top of every smaller class
+        self._measured: list[float | None] = [None] * n  # each class's own target quantile
+        # per ladder level, per class: the excess planned for, and the bound at the top of
+        # every smaller class
+        self._own: list[list[float | None]] = [[None] * n for _ in range(m)]
+        self._floor: list[list[float]] = [[0.0] * n for _ in range(m)]
+        self._class_ladder: list[tuple[float, ...] | None] = [None] * n
         self.live_excess_s = 0.0
 
     @staticmethod
@@ -189,41 +194,55 @@ class Calibration:
             return
         for k in self._dirty:  # only the classes that changed are sorted again
             d = self._samples[k]
-            enough = len(d) >= self.min_samples
-            self._measured[k] = _quantile((e for _, e in d), self.quantile) if enough else None
+            if len(d) >= self.min_samples:
+                ordered = sorted(e for _, e in d)
+                self._class_ladder[k] = tuple(_quantile_sorted(ordered, q) for q in self.ladder)
+            else:
+                self._class_ladder[k] = None
+            own = self._class_ladder[k]
+            self._measured[k] = None if own is None else own[self.target_level]
         self._dirty.clear()
-        measured = self._measured
+        for level in range(len(self.ladder)):
+            self._spread(level)
+
+    def _spread(self, level: int) -> None:
+        """Give every class a figure at this ladder level: its own, else the nearest measured
+        class's below (or the first measured one), and the floor that keeps bounds monotonic."""
+        measured = [None if c is None else c[level] for c in self._class_ladder]
         first = next((m for m in measured if m is not None), None)
         below: float | None = None
         top = 0.0
+        owns, floors = self._own[level], self._floor[level]
         for k, m in enumerate(measured):
             if m is not None:
                 below = m
             own = below if below is not None else first
-            self._own[k] = own
-            self._floor[k] = top
+            owns[k] = own
+            floors[k] = top
             if own is not None and k < len(EDGES_S):
                 top = max(top, EDGES_S[k] + own)
 
     def excess_s(self, predicted_s: float) -> float | None:
         """The measured excess planned for at this prediction size (None: nothing measured)."""
-        return self._own[self.size_class(predicted_s)]
+        return self._own[self.target_level][self.size_class(predicted_s)]
 
-    def bound(self, predicted_s: float) -> float:
-        """The time to plan for when the model predicts `predicted_s`."""
-        return max(self._measured_bound(predicted_s), predicted_s + self.live_excess_s)
+    def bound(self, predicted_s: float, level: int | None = None) -> float:
+        """The time to plan for when the model predicts `predicted_s`: at the target quantile,
+        or at `self.ladder[level]`."""
+        lv = self.target_level if level is None else level
+        return max(self._measured_bound(predicted_s, lv), predicted_s + self.live_excess_s)
 
     def overdue(self, predicted_s: float, elapsed_s: float) -> bool:
         """True when a request still in flight has already taken longer than its bound (the
         measured one: what is overdue must not depend on what was overdue before)."""
-        return elapsed_s > self._measured_bound(predicted_s)
+        return elapsed_s > self._measured_bound(predicted_s, self.target_level)
 
-    def _measured_bound(self, p: float) -> float:
+    def _measured_bound(self, p: float, level: int) -> float:
         k = bisect_left(EDGES_S, p)
-        e = self._own[k]
+        e = self._own[level][k]
         if e is None:
             return max(p * self.prior_ratio, p + self.prior_excess_s)
-        return max(p + e, self._floor[k], 0.0)
+        return max(p + e, self._floor[level][k], 0.0)
 
 
 class RecentMax:

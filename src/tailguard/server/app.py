@@ -302,6 +302,7 @@ class App:
             self.metrics.calibration_now(single_pass, cal, EDGES_S)
         self.metrics.step_cost.labels("a").set(self.admission.cost.a)
         self.metrics.step_cost.labels("b").set(self.admission.cost.b)
+        self.metrics.expected_misses.set(self.admission.expected_miss_share)
         call.respond(200, self.metrics.render(), [(b"content-type", CONTENT_TYPE.encode())])
 
     async def _models(self, call: Call) -> None:

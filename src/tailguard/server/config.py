@@ -103,7 +103,13 @@ class ServerConfig:
     configuration goodput is measured against)."""
     admission_quantile: float = 0.99
     """Admission plans for this quantile of its measured prediction error: the share of admitted
-    requests meant to meet their deadline (0.5 to 0.999)."""
+    requests meant to meet their deadline (0.5 to 0.999). That share is an aggregate: while the
+    recently admitted requests' expected misses stay under 1 - admission_quantile, a request at
+    the edge may be planned for a looser quantile (see admission_max_request_risk)."""
+    admission_max_request_risk: float = 0.1
+    """The largest chance of missing its deadline one admitted request may carry while the
+    recent admissions leave room in the miss budget (0 to 0.25; 0: plan every request for
+    admission_quantile)."""
     cache_max_entries: int = 10_000
     """Degradation cache: most responses kept (0 disables the cache)."""
     cache_max_bytes: int = 64 * 1024 * 1024
@@ -240,6 +246,7 @@ class ServerConfig:
             batch_share=self.batch_share,
             enabled=self.admission == "on",
             target_quantile=self.admission_quantile,
+            max_request_risk=self.admission_max_request_risk,
         )
 
     @property

@@ -218,6 +218,15 @@ REGISTERED: tuple[MetricSpec, ...] = (
         None,
     ),
     MetricSpec(
+        "expected_misses",
+        Gauge,
+        "tailguard_admission_expected_miss_share",
+        "The recently admitted requests' average predicted chance of missing their deadline "
+        "(admission spends up to 1 - admission_quantile of it on requests at the edge)",
+        (),
+        None,
+    ),
+    MetricSpec(
         "cache_hits",
         Counter,
         "tailguard_cache_hits",
@@ -335,6 +344,7 @@ class ServerMetrics:
     tpot: Histogram
     calibration: Gauge
     step_cost: Gauge
+    expected_misses: Gauge
     cache_hits: Counter
     waiting: Gauge
     running: Gauge
