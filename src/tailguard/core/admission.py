@@ -31,6 +31,14 @@ The prediction (a fluid model of the scheduler in core/scheduler.py)
     The front-end delay is what the HTTP process itself adds after the engine answered (its
     event-loop lag, the time answers took from the engine client to their handler).
 
+    `calibrated` is at the target quantile, or at a looser rung of the calibration's ladder of
+    quantiles while the miss budget has room: the target (say 99% in time) is an aggregate over
+    the admitted requests, so an edge request whose only risk is the rare stall may be admitted
+    at a 2-10% risk as long as the recent admissions' average risk stays under 1%. Each request
+    is planned for the tightest rung at which it fits; its risk is that rung's share of misses
+    (0 when it fits even the window's largest error). At overload every admission sits at the
+    edge, the average reaches the budget, and the target quantile governs.
+
     It is admitted when `bound <= deadline - now`, and when the hard caps on queued requests and
     tokens allow it (they bound memory, not time; batch work may fill `batch_share` of them).
     There is no other limit: a request with a long deadline is admitted whatever is queued, as
