@@ -316,6 +316,12 @@ def main() -> int:
         help="serve argument of a second admission server run level by level beside the "
         "default one (e.g. --baseline-arg=--admission-max-request-risk=0); ratios printed",
     )
+    ap.add_argument(
+        "--oracle",
+        default="",
+        help="skip the sweep and take these oracle rates (e.g. infer=89.5,complete1=80.8): "
+        "for quick experiments; a reported run measures them",
+    )
     ap.add_argument("--json", type=Path, help="also write every figure here")
     a = ap.parse_args()
     if a.quick:
@@ -340,9 +346,10 @@ def main() -> int:
         f"1. oracle: --admission off, closed loop, {a.sweep_repeats} x {a.sweep_s:g} s per level",
         flush=True,
     )
+    oracles.update({k: float(v) for k, v in (x.split("=") for x in a.oracle.split(",") if x)})
     ctx, base = server("oracle", "--admission", "off")
-    with ctx:
-        for w in workloads:
+    with ctx if len(oracles) < len(workloads) else contextlib.nullcontext():
+        for w in (w for w in workloads if w.name not in oracles):
             print(f"  {w.name} ({w.path}{', stream, deadline on the first token' * w.stream})")
             sweep = [int(x) for x in a.sweep.split(",")]
             oracles[w.name], _ = _run(

@@ -34,7 +34,8 @@ The prediction (a fluid model of the scheduler in core/scheduler.py)
     `calibrated` is at the target quantile, or at a looser rung of the calibration's ladder of
     quantiles while the miss budget has room: the target (say 99% in time) is an aggregate over
     the admitted requests, so an edge request whose only risk is the rare stall may be admitted
-    at a 2-10% risk as long as the recent admissions' average risk stays under 1%. Each request
+    at a 2-5% risk as long as the recent admissions' average risk stays under 0.5% (half the
+    1% allowed: the other half is for the delays the server cannot see). Each request
     is planned for the tightest rung at which it fits; its risk is that rung's share of misses
     (0 when it fits even the window's largest error). At overload every admission sits at the
     edge, the average reaches the budget, and the target quantile governs.
@@ -102,8 +103,8 @@ class AdmissionConfig:
     """The share of admitted requests meant to meet their deadline. Admission plans each request
     for this quantile of the measured prediction error, or for a looser one (down to
     `1 - max_request_risk`) while the recently admitted requests' expected misses leave room in
-    the budget `1 - target_quantile` (see `risk_budget`)."""
-    max_request_risk: float = 0.1
+    half the budget `1 - target_quantile` (see `miss_budget`)."""
+    max_request_risk: float = 0.05
     """The largest chance of missing its deadline that one admitted request may carry, when
     the recent ones leave room in the budget (0: plan every request for the target quantile)."""
     calibration_window: int = 512
@@ -169,14 +170,17 @@ class AdmissionConfig:
 
     @property
     def miss_budget(self) -> float:
-        """The expected share of admitted requests allowed to miss their deadline."""
-        return 1.0 - self.target_quantile
+        """The expected share of admitted requests admission may spend on edge requests: half
+        of the `1 - target_quantile` allowed to miss. The other half is left for what the server
+        cannot see (the client's send lag, the network, the answer's way back to the client),
+        which its own samples do not contain."""
+        return (1.0 - self.target_quantile) / 2
 
     def ladder(self) -> tuple[float, ...]:
         """The quantiles admission may plan a request for, tightest first: the window's largest
         error (a request that fits even that carries no measured risk), half the budget, the
         target, then looser ones up to `max_request_risk`."""
-        b = self.miss_budget
+        b = 1.0 - self.target_quantile
         risks = [0.0, b / 2, b] + [r * b for r in (2, 5, 10, 20) if r * b < self.max_request_risk]
         if self.max_request_risk > b:
             risks.append(self.max_request_risk)

@@ -104,9 +104,9 @@ class ServerConfig:
     admission_quantile: float = 0.99
     """Admission plans for this quantile of its measured prediction error: the share of admitted
     requests meant to meet their deadline (0.5 to 0.999). That share is an aggregate: while the
-    recently admitted requests' expected misses stay under 1 - admission_quantile, a request at
-    the edge may be planned for a looser quantile (see admission_max_request_risk)."""
-    admission_max_request_risk: float = 0.1
+    recently admitted requests' expected misses stay under half of 1 - admission_quantile, a
+    request at the edge may be planned for a looser quantile (see admission_max_request_risk)."""
+    admission_max_request_risk: float = 0.05
     """The largest chance of missing its deadline one admitted request may carry while the
     recent admissions leave room in the miss budget (0 to 0.25; 0: plan every request for
     admission_quantile)."""

@@ -222,7 +222,7 @@ REGISTERED: tuple[MetricSpec, ...] = (
         Gauge,
         "tailguard_admission_expected_miss_share",
         "The recently admitted requests' average predicted chance of missing their deadline "
-        "(admission spends up to 1 - admission_quantile of it on requests at the edge)",
+        "(admission spends up to half of 1 - admission_quantile on requests at the edge)",
         (),
         None,
     ),
