@@ -116,6 +116,10 @@ class Calibration:
     one was), so `saturated` may judge a request by a one-token version of it. Until any class
     is measured, the priors stand in: `max(p * prior_ratio, p + prior_excess_s)`.
 
+    `ladder` adds quantiles besides the target (`bound(p, level)` indexes `self.ladder`,
+    tightest first): admission plans an edge request for a looser one while its miss budget has
+    room (core/admission.py). Each level keeps its own monotonic bounds.
+
     `live_excess_s` is set by the admission controller from requests still in flight that are
     already later than their bound (censored samples: their actual excess is at least this). It
     widens the bound the moment the engine slows down, long before the late answers arrive.
