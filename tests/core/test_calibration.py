@@ -121,3 +121,21 @@ def test_recent_max_keeps_the_worst_sample_for_one_to_two_windows() -> None:
     assert m.value(2.4) == 0.05
     assert m.value(3.2) == 0.01  # 0.05's window is two windows old: forgotten
     assert m.value(10.0) == 0.0  # nothing for two windows
+
+
+def test_a_ladder_of_quantiles_each_with_monotonic_bounds() -> None:
+    c = cal(quantile=0.9, ladder=(1.0, 0.5), min_samples=1, window=100)
+    assert c.ladder == (1.0, 0.9, 0.5) and c.target_level == 1
+    for i in range(10):  # 100 ms predictions: 0..90 ms late
+        c.observe(0.1, 0.1 + i / 100, float(i))
+    c.observe(1.0, 1.0, 10.0)  # 1 s predictions are right
+    c.refresh(10.0)
+    assert c.bound(0.1, 0) == pytest.approx(0.19)  # the window's largest
+    assert c.bound(0.1) == c.bound(0.1, 1) == pytest.approx(0.18)  # the target
+    assert c.bound(0.1, 2) == pytest.approx(0.14)  # the median
+    assert [c.bound(1.0, level) for level in range(3)] == pytest.approx([1.0] * 3)
+    sizes = [0.001 * 1.3**i for i in range(30)]
+    for level in range(3):
+        bounds = [c.bound(p, level) for p in sizes]
+        assert bounds == sorted(bounds), level
+    assert all(c.bound(p, 0) >= c.bound(p, 1) >= c.bound(p, 2) for p in sizes)
