@@ -395,6 +395,10 @@ def test_an_edge_request_spends_the_miss_budget_instead_of_being_refused() -> No
         _two_in_a_hundred_late(c, c.engine_s(100, interactive=True, now_s=0.0))
     d = decide(strict, "x", tokens=100)
     assert not d.admitted and d.code == "late"
+    # behind the queue (a raw prediction over half the time left) the target quantile stands:
+    # 32 ms of a 60 ms deadline would fit at the 0.98 quantile, but its error is the queue's
+    d = decide(loose, "q", tokens=100, deadline=0.06)
+    assert not d.admitted and d.code == "late"
     raw = loose.engine_s(100, interactive=True, now_s=0.0)
     d = decide(loose, "x", tokens=100)
     assert d.admitted and d.predicted_s == pytest.approx(raw + 0.001)
