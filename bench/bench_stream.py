@@ -21,7 +21,6 @@ import asyncio
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 from tailguard.core.request import EngineOutput, EngineRequest, FinishReason
@@ -77,21 +76,21 @@ class OneTokenPerOutput(StubEngineClient):
     """The stub engine, streaming like the real one: one output per generated token."""
 
     def __init__(self, ids: list[int]) -> None:
-        super().__init__()
+        super().__init__(max_model_len=2 * max(LENGTHS) + 64)
         self.ids = ids
 
-    async def submit(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    def outputs(self, request: EngineRequest) -> list[EngineOutput]:
         n = request.sampling.max_tokens
-        for i in range(n):
-            last = i == n - 1
-            out = EngineOutput(
+        return [
+            EngineOutput(
                 request_id=request.request_id,
                 new_token_ids=[self.ids[i % len(self.ids)]],
-                finished=last,
-                finish_reason=FinishReason.LENGTH if last else None,
+                finished=i == n - 1,
+                finish_reason=FinishReason.LENGTH if i == n - 1 else None,
                 num_output_tokens=i + 1,
             )
-            yield self._emit(out)
+            for i in range(n)
+        ]
 
 
 class Sink:
@@ -110,7 +109,7 @@ class Sink:
 async def request_cpu_per_token(tok: Tokenizer, n: int, repeat: int) -> float:
     engine = OneTokenPerOutput(token_ids(tok, n))
     cfg = load_config(None, {"engine": "stub", "sla_ms": 600_000, "max_deadline_ms": 600_000})
-    app = App(cfg, engine, ModelInfo(tok, 2 * max(LENGTHS) + 64, None))
+    app = App(cfg, engine, ModelInfo(tok, None))
     await engine.start()
     body = (
         b'{"prompt": "Hello", "max_tokens": %d, "stream": true, "ignore_eos": true, '

@@ -69,14 +69,21 @@ async def test_client_streams_aborts_and_survives_engine_death(tiny_model_dir: P
                 break
         assert client.stats.aborted_total >= 1 and client.stats.kv_blocks_used == 0
 
-        # kill the engine mid-request: the request fails fast, then the engine comes back
-        inflight = asyncio.create_task(collect(client, req("doomed", max_tokens=100_000 // 100)))
-        await asyncio.sleep(0.05)
+        # kill the engine mid-request (its first token out: it is running, not just sent): the
+        # request fails fast, then the engine comes back
+        doomed = client.submit(req("doomed", max_tokens=1000))
+        first = await asyncio.wait_for(doomed.__anext__(), 10)
+        assert first.new_token_ids and not first.finished
         first_pid = client.pid
         assert first_pid is not None
         os.kill(first_pid, signal.SIGKILL)
+
+        async def rest() -> None:
+            async for out in doomed:
+                assert not out.finished  # 1000 tokens: the kill comes first
+
         with pytest.raises(EngineUnavailableError, match="died"):
-            await asyncio.wait_for(inflight, 10)
+            await asyncio.wait_for(rest(), 10)
         for _ in range(600):
             if client.ready and client.pid != first_pid:
                 break

@@ -8,7 +8,9 @@ from typing import Any
 
 import orjson
 import pytest
-from tests.server.inproc import request, running_app, until
+from tests.server.inproc import make_config, request, running_app, until
+
+from tailguard.server.cli import build_app
 
 INFER = {"prompt": "the quick brown fox", "top_k": 3}
 
@@ -116,6 +118,36 @@ async def test_context_error_names_both_numbers() -> None:
         assert r.status == 400
         msg = r.json()["error"]["message"]
         assert "4 tokens" in msg and "4095" in msg and "4096" in msg
+
+
+async def test_the_context_is_the_engines_own_figure() -> None:
+    # the engine's own max_model_len is what the server checks requests against
+    app = build_app(make_config(max_model_len=200))
+    body = {"prompt": "abc", "max_tokens": 190}
+    r = await request(app, "POST", "/v1/completions", body)
+    assert r.status == 503 and r.json()["error"]["code"] == "engine_down", r.body  # not started
+    await app.startup()
+    try:
+        await until(lambda: app.engine.ready)
+        app.engine.max_model_len = 150  # type: ignore[misc]  # what the engine says counts
+        r = await request(app, "POST", "/v1/completions", body)
+        assert r.status == 400 and "context of 150 tokens" in r.json()["error"]["message"]
+        models = await request(app, "GET", "/v1/models")
+        assert models.json()["data"][0]["max_model_len"] == 150
+    finally:
+        await app.shutdown()
+
+
+async def test_before_the_engine_reports_its_context_a_request_is_503() -> None:
+    # the real engine client knows max_model_len only once the engine process reported it
+    app = build_app(make_config(engine="stub"))
+    app.engine.max_model_len = 0  # type: ignore[misc]  # as EngineClient before start-up
+    await app.engine.start()
+    r = await request(app, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 5})
+    assert r.status == 503 and r.json()["error"]["code"] == "engine_down", r.body
+    models = await request(app, "GET", "/v1/models")
+    assert models.json()["data"][0]["max_model_len"] is None
+    await app.engine.close()
 
 
 async def test_api_key_guards_v1_and_touches_nothing() -> None:

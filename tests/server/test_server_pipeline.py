@@ -68,7 +68,10 @@ async def test_a_failed_embedding_input_cancels_its_siblings() -> None:
 
         app.engine.run = spy  # type: ignore[method-assign]
         body = {"input": ["a long first input", "bad", "a long third input"]}
-        r = await request(app, "POST", "/v1/embeddings", body, {"Cache-Control": "no-store"})
+        # a deadline far off: at 100 tokens/s the 150 ms SLA would refuse the inputs (503)
+        # whenever the step-cost fit has caught up with the simulated engine's speed
+        headers = {"Cache-Control": "no-store", "X-Request-Timeout-Ms": "20000"}
+        r = await request(app, "POST", "/v1/embeddings", body, headers)
         assert r.status == 507, r.body
         assert sorted(cancelled) == sorted(started) and len(started) == 2
         assert app.admission.queued_requests == 0

@@ -59,6 +59,12 @@ class EngineClientProtocol(Protocol):
         ...
 
     @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output the engine accepts, as it reports once started (0 before):
+        the server checks requests against this figure, never one of its own."""
+        ...
+
+    @property
     def restarts(self) -> int:
         """Engine process restarts so far (bounded; see EngineConfig.max_restarts)."""
         ...

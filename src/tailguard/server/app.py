@@ -315,7 +315,7 @@ class App:
                         "object": "model",
                         "created": 0,
                         "owned_by": "tailguard",
-                        "max_model_len": self.model.max_model_len,
+                        "max_model_len": self.engine.max_model_len or None,  # None: not started
                     }
                 ],
             }

@@ -66,7 +66,9 @@ def make_engine(cfg: ServerConfig) -> EngineClientProtocol:
     if cfg.engine == "stub":
         from tailguard.server.stub import StubEngineClient
 
-        return StubEngineClient(e.max_num_seqs, e.max_num_batched_tokens)
+        return StubEngineClient(
+            e.max_num_seqs, e.max_num_batched_tokens, max_model_len=e.max_model_len or 4096
+        )
     if cfg.engine == "simulated":
         from tailguard.server.simulated import SimulatedEngineClient
 
@@ -92,11 +94,7 @@ def build_app(cfg: ServerConfig, engine: EngineClientProtocol | None = None) -> 
     from tailguard.server.app import App
     from tailguard.server.tokenizer import load_model_info
 
-    info = load_model_info(
-        cfg.engine_config.model_dir,
-        need_model=cfg.engine == "real",
-        max_model_len=cfg.engine_config.max_model_len,
-    )
+    info = load_model_info(cfg.engine_config.model_dir, need_model=cfg.engine == "real")
     return App(cfg, engine or make_engine(cfg), info)
 
 

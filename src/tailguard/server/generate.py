@@ -97,9 +97,7 @@ class Generation:
     ) -> None:
         self.p, self.call, self.req, self.job, self.chat = p, call, req, job, chat
         job.ids = ids
-        job.output_tokens = _max_tokens(
-            req, chat=chat, context_left=p.model.max_model_len - len(ids)
-        )
+        job.output_tokens = _max_tokens(req, chat=chat, context_left=p.max_model_len - len(ids))
         p.check_context(len(ids), job.output_tokens, "max_tokens")
         job.sampling = SamplingParams(
             max_tokens=job.output_tokens,

@@ -391,6 +391,10 @@ class ServerMetrics:
         self._answers: dict[tuple[str, str], HotHistogram] = {}
         self._rejections: dict[str, HotHistogram] = {}
         self._queue_children: dict[Any, HotHistogram] = {}
+        self._prediction = {  # by single_pass: one answer each, bound once
+            sp: path.child("prediction", ("single_pass" if sp else "generate",))
+            for sp in (True, False)
+        }
         self._engine_totals: dict[str, float] = {}
         self._server_cpu = 0.0
         self._gc = GCTimer()  # this process's collections (the engine's come in its stats)
@@ -433,9 +437,8 @@ class ServerMetrics:
 
     def prediction(self, single_pass: bool, actual_s: float, planned_s: float) -> None:
         """One admitted request's deadline event against the time admission planned for."""
-        kind = "single_pass" if single_pass else "generate"
         ratio = actual_s / planned_s if planned_s > 0 else 0.0
-        self.request_path.child("prediction", (kind,)).observe(ratio)
+        self._prediction[single_pass].observe(ratio)
 
     def calibration_now(self, single_pass: bool, calibration: Any, edges: Iterable[float]) -> None:
         """The excess admission plans for now, per prediction size (unmeasured sizes left out)."""

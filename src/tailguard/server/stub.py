@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Callable
 
 from tailguard.core.request import (
     EngineOutput,
@@ -19,6 +18,7 @@ from tailguard.core.request import (
     RequestKind,
 )
 from tailguard.core.stats import EngineStats
+from tailguard.engine.router import RequestRouter, RoutedClient
 from tailguard.errors import EngineUnavailableError
 
 __all__ = ["StubEngineClient", "fake_embedding", "fake_token", "fake_top_logprobs"]
@@ -69,43 +69,47 @@ def _single_pass_output(req: EngineRequest, queue_s: float, compute_s: float) ->
     return out
 
 
-def _hand_over(listener: Callable[[EngineOutput], None] | None, out: EngineOutput) -> EngineOutput:
-    """Hand one output over as the real engine client does: stamped, `on_output` first, then
-    (the caller) to the request's handler."""
-    out.received_s = time.monotonic()
-    if listener is not None:
-        listener(out)
-    return out
+class StubEngineClient(RoutedClient):
+    """Instant answers, no queue: the front-end benchmark's engine. Its answers reach their
+    handlers through the same RequestRouter as the real engine client's (stamped, `on_output`
+    first), so the front-end benchmark pays that hand-over as the real server does; only the
+    model and the IPC hop are missing."""
 
-
-def _reason(stop: bool) -> FinishReason:
-    return FinishReason.STOP if stop else FinishReason.LENGTH
-
-
-class StubEngineClient:
-    """Instant answers, no queue: the front-end benchmark's engine."""
-
-    def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024) -> None:
+    def __init__(
+        self, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, max_model_len: int = 4096
+    ) -> None:
         self._stats = EngineStats(
             warmup_done=True,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )
         self._ready = False
-        self.on_output: Callable[[EngineOutput], None] | None = None
+        self._restarts = 0
+        self._router = RequestRouter(self._answer, self._drop)
+        self.max_model_len = max_model_len
 
     async def start(self) -> None:
         self._ready = True
 
     async def close(self) -> None:
         self._ready = False
+        self._router.fail_all("stub engine closed")
 
-    async def submit(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    def _check_ready(self) -> None:
         if not self._ready:
             raise EngineUnavailableError("stub engine is not started")
+
+    def _answer(self, request: EngineRequest) -> None:
+        """The router's send: the request's whole answer, at once."""
+        self._router.deliver(self.outputs(request))
+
+    def _drop(self, request_id: str) -> None:
+        """The router's abort: nothing runs, nothing to drop."""
+
+    def outputs(self, request: EngineRequest) -> list[EngineOutput]:
+        """Every output of `request`: one (a generation's tokens all in it)."""
         if request.kind != RequestKind.GENERATE:
-            yield self._emit(_single_pass_output(request, 0.0, 0.0))
-            return
+            return [_single_pass_output(request, 0.0, 0.0)]
         n = request.sampling.max_tokens
         ids = [fake_token(request.prompt_token_ids, i, request.sampling.seed) for i in range(n)]
         out = EngineOutput(
@@ -117,15 +121,7 @@ class StubEngineClient:
             num_output_tokens=n,
             first_token_s=time.monotonic(),
         )
-        yield self._emit(out)
-
-    async def run(self, request: EngineRequest) -> EngineOutput:
-        if not self._ready:
-            raise EngineUnavailableError("stub engine is not started")
-        return self._emit(_single_pass_output(request, 0.0, 0.0))
-
-    def _emit(self, out: EngineOutput) -> EngineOutput:
-        return _hand_over(self.on_output, out)
+        return [out]
 
     async def abort(self, request_id: str) -> None:
         return None
@@ -133,11 +129,3 @@ class StubEngineClient:
     @property
     def stats(self) -> EngineStats:
         return self._stats
-
-    @property
-    def ready(self) -> bool:
-        return self._ready
-
-    @property
-    def restarts(self) -> int:
-        return 0

@@ -42,31 +42,23 @@ class SimpleTokenizer:
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """The served model as the HTTP process knows it: its tokenizer. Its context length is the
+    engine's (`EngineClientProtocol.max_model_len`, reported at start-up)."""
+
     tokenizer: Tokenizer
-    max_model_len: int  # prompt + output tokens the model accepts
     model_dir: str | None  # None: no checkpoint (simple tokenizer)
 
 
-def load_model_info(
-    model_dir: str | None, *, need_model: bool, max_model_len: int | None
-) -> ModelInfo:
-    """Tokenizer and context length for the served model.
-
-    need_model=False (stub/simulated engines) and no model_dir: the simple byte tokenizer and a
-    4096-token context. Otherwise the checkpoint's tokenizer and max_position_embeddings
-    (`max_model_len` from the engine config overrides it).
-    """
+def load_model_info(model_dir: str | None, *, need_model: bool) -> ModelInfo:
+    """The served model's tokenizer: the checkpoint's (the embedded model's when `model_dir` is
+    None and a model is needed), else (stub and simulated engines, no model_dir) the simple
+    byte tokenizer."""
     if model_dir is None and not need_model:
-        return ModelInfo(SimpleTokenizer(), max_model_len or 4096, None)
-    from tailguard.model.config import MistralConfig
+        return ModelInfo(SimpleTokenizer(), None)
     from tailguard.model.tokenizer import load_tokenizer
 
     if model_dir is None:
         from tailguard.model.embedded import default_model_dir
 
         model_dir = str(default_model_dir())
-    cfg = MistralConfig.from_dir(Path(model_dir))
-    ctx = int(cfg.max_position_embeddings)
-    if max_model_len is not None:
-        ctx = min(ctx, max_model_len)
-    return ModelInfo(load_tokenizer(Path(model_dir)), ctx, model_dir)
+    return ModelInfo(load_tokenizer(Path(model_dir)), model_dir)
