@@ -9,6 +9,7 @@ from pathlib import Path
 from tests.engine.conftest import tiny_engine_config
 from tests.engine.test_core import assert_no_new_shapes, drain, gen
 
+from tailguard.engine.buckets import bucket_for
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.core import EngineCore
 
@@ -27,7 +28,7 @@ def run(model_dir: Path, token_buckets: tuple[int, ...]) -> tuple[dict[str, list
         n = core.log.take()[-1]
         if n.num_prefill_tokens == 0:  # a pure decode step
             padded.add(n.padded_tokens)
-            assert n.padded_tokens == max(1, 1 << (n.num_seqs - 1).bit_length())
+            assert n.padded_tokens == bucket_for(token_buckets, n.num_seqs)
     assert_no_new_shapes(core, warm)
     assert drain(core) == {}
     return outs, padded
