@@ -164,7 +164,7 @@ def tailguard(folder: Path, args: argparse.Namespace, logs: Path) -> dict[int, L
         "--port",
         str(port),
         "--dtype",
-        "bfloat16",
+        args.dtype,
         "--sla-ms",
         "60000",  # a throughput benchmark: no first-token deadline turns requests away,
         "--admission",  # and admission off altogether (vLLM has no admission control)
@@ -198,7 +198,7 @@ def vllm(folder: Path, args: argparse.Namespace, logs: Path) -> dict[int, Level]
         "--tokenizer-mode",
         "mistral",
         "--dtype",
-        "bfloat16",
+        args.vllm_dtype or args.dtype,
         "--max-model-len",
         "2048",
         "--port",
@@ -221,6 +221,12 @@ def main() -> int:
     ap.add_argument("--output", type=int, default=64, help="output tokens (EOS ignored)")
     ap.add_argument("--requests-per-worker", type=int, default=3)
     ap.add_argument("--engine-threads", type=int, default=None)
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="serving dtype of both (bfloat16; float32 on a CPU without native bf16 matmuls)",
+    )
+    ap.add_argument("--vllm-dtype", default=None, help="vLLM's dtype when not --dtype")
     ap.add_argument("--rounds", type=int, default=1, help="2: tailguard, vllm, vllm, tailguard")
     ap.add_argument("--vllm-venv", default="/work/vllm-venv")
     ap.add_argument("--only", choices=("tailguard", "vllm"), default=None)
@@ -229,7 +235,8 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     print(
         f"checkpoint {folder}; prompts {args.prompt} tokens, {args.output} out, "
-        f"concurrency {args.concurrency}; logs in {logs}",
+        f"concurrency {args.concurrency}; dtype {args.dtype} "
+        f"(vllm {args.vllm_dtype or args.dtype}); logs in {logs}",
         flush=True,
     )
     sides = {"tailguard": tailguard, "vllm": vllm}

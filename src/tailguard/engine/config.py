@@ -51,8 +51,11 @@ class EngineConfig:
     """Longest prompt + output; None: the model's max_position_embeddings."""
     seq_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     """Sequence-count buckets; the last must be >= max_num_seqs."""
-    token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
-    """Token-count buckets; the last must be >= max_num_batched_tokens."""
+    token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+    """Token-count buckets; the last must be >= max_num_batched_tokens. Small buckets matter:
+    a decode step of S sequences runs every projection on T rows, and on CPU small-row
+    matmuls cost about in proportion to the rows (oneDNN fp32, AVX2), so padding a batch-8
+    decode to 16 rows nearly doubled its matmul time (docs/benchmarks.md, issue 12)."""
     threads: int = field(default_factory=default_engine_threads)
     """Intra-op threads in the engine process (every other process uses 1). Default: the cores
     available less one, which the HTTP front end needs under load."""
