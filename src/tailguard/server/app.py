@@ -315,6 +315,8 @@ class App:
                         "created": 0,
                         "owned_by": "tailguard",
                         "max_model_len": self.model.max_model_len,
+                        # token ids a prompt may use (load tools draw random prompts from it)
+                        "vocab_size": self.model.tokenizer.vocab_size,
                     }
                 ],
             }
