@@ -74,6 +74,27 @@ def test_kv_exhaustion_evidence() -> None:
     assert ev["KV usage at a window end"] == 0.99
 
 
+def test_kv_bound_queue_is_named_kv_exhaustion_not_overload() -> None:
+    """A lab window with a pool of 47 blocks: ~2 sequences fit, the batch stays near empty,
+    requests queue and sequences are preempted. The queue is the pool's: name it."""
+    d = run("kv_bound")
+    assert d.verdict is Cause.KV_EXHAUSTION, render_text(d)
+    ev = fired(d.causes[0])
+    assert ev["preemptions (recomputes) per request"] > T.PREEMPT_PER_REQUEST
+    assert ev["requests queued or refused while preempting with the batch under half full"] < 0.5
+    over = finding(d, Cause.OVERLOAD)
+    assert "see kv_exhaustion" in over.summary and not over.first
+    # the same window with no preemptions is a plain queue: the pool is not what caps it
+    obs = load_recorded(FIXTURES / "kv_bound")
+    sw = obs.servers[0]
+    name = "tailguard_preemptions_total"
+    after = replace(sw.after, values={k: (sw.before.get(name) if k[0] == name else v)
+                                      for k, v in sw.after.values.items()})  # fmt: skip
+    calm = diagnose(replace(obs, servers=(replace(sw, after=after),)))
+    assert not finding(calm, Cause.KV_EXHAUSTION).is_cause
+    assert "see kv_exhaustion" not in finding(calm, Cause.OVERLOAD).summary
+
+
 def test_prefill_heavy_outranks_the_queue_it_causes() -> None:
     d = run("prefill_heavy")
     ev = fired(d.causes[0])

@@ -89,6 +89,10 @@ one stop every second or so, enough to push the slowest 1% past a 150 ms budget.
 PREEMPT_PER_REQUEST = 0.01
 """Preemptions (sequences evicted and recomputed for KV space) on over 1% of requests: each one
 repeats a prefill and stalls its request; a pool sized for the load preempts ~never."""
+KV_BOUND_FILL = 0.5
+"""A batch under half of max_num_seqs while sequences are preempted and requests queue: the KV
+pool, not compute or max_num_seqs, caps the batch (more blocks would raise the capacity, more
+cores would not)."""
 KV_USAGE_FULL = 0.95
 """KV usage at 95%+ of the pool at a window end: the next long prompt preempts someone."""
 

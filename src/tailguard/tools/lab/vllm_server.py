@@ -45,12 +45,22 @@ def checkpoint() -> Path:
 
 
 def vllm_command(
-    python: Path, model_dir: Path, port: int, *, dtype: str = "float32", max_model_len: int = 2048
+    python: Path,
+    model_dir: Path,
+    port: int,
+    *,
+    dtype: str = "float32",
+    max_model_len: int = 2048,
+    prefix_caching: bool = False,
 ) -> list[str]:
+    """The server's command line. Prefix caching is off by default: tailguard has no prefix
+    cache, and with it on, a second client replaying the same prompts (the load cross-check)
+    gets its prefills from the cache and measures a faster server than the first did."""
+    cache = "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"
     return [
         str(python),
         *("-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)),
         *("--tokenizer-mode", "mistral", "--dtype", dtype),
         *("--max-model-len", str(max_model_len), "--served-model-name", SERVED_NAME),
-        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--host", "127.0.0.1", "--port", str(port), cache),
     ]
