@@ -417,7 +417,14 @@ def _sweep(srv: AnyServer, seconds: float, steps: int, out_dir: Path) -> dict[st
 
 
 def _cross_check_one(
-    srv: AnyServer, venv: Path, rate: float, n: int, k: int, arrivals: str, out_dir: Path
+    srv: AnyServer,
+    venv: Path,
+    rate: float,
+    n: int,
+    k: int,
+    arrivals: str,
+    out_dir: Path,
+    vllm_first: bool = False,
 ) -> dict[str, Any]:
     """Both tools at `rate` with the same n prompts in the same order (`identical_prompts`).
     `constant`: both send evenly spaced, so the schedules are the same too; `poisson`: each
@@ -430,14 +437,28 @@ def _cross_check_one(
         prof = Profile("poisson", rate=rate, duration_s=n / rate, seed=seed)
     cfg = LoadConfig(srv.url, prof, endpoint="completions", stream=True,
                      source=SourceSpec(dataset=str(ours_file)), timeout_s=60)  # fmt: skip
-    before = _server_ttft(srv.url)
-    ours = _llm_summary(_run(cfg))
-    ours["server_mean_ttft_ms"] = _server_ttft(srv.url, before)
-    time.sleep(2)
     out = out_dir / f"vllm_{arrivals}_{rate:g}.json"
-    before = _server_ttft(srv.url)
-    theirs = _vllm_bench(venv, srv.url, rate, theirs_file, out, k, arrivals)
-    theirs["server_mean_ttft_ms"] = _server_ttft(srv.url, before)
+
+    def run_ours() -> dict[str, Any]:
+        before = _server_ttft(srv.url)
+        mine = _llm_summary(_run(cfg))
+        mine["server_mean_ttft_ms"] = _server_ttft(srv.url, before)
+        return mine
+
+    def run_theirs() -> dict[str, Any]:
+        before = _server_ttft(srv.url)
+        res = _vllm_bench(venv, srv.url, rate, theirs_file, out, k, arrivals)
+        res["server_mean_ttft_ms"] = _server_ttft(srv.url, before)
+        return res
+
+    if vllm_first:  # the other order: does whoever goes first see a different server?
+        theirs = run_theirs()
+        time.sleep(2)
+        ours = run_ours()
+    else:
+        ours = run_ours()
+        time.sleep(2)
+        theirs = run_theirs()
     ratios = {}
     for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
                 "p99_ttft_ms", "median_tpot_ms", "total_input_tokens",
@@ -445,7 +466,8 @@ def _cross_check_one(
         a, b = ours.get(key), theirs.get(key)
         if isinstance(a, int | float) and isinstance(b, int | float) and b:
             ratios[key] = round(a / b, 3)
-    check = {"rate": rate, "requests": n, "arrivals": arrivals, "tailguard_load": ours}
+    check = {"rate": rate, "requests": n, "arrivals": arrivals, "vllm_first": vllm_first}
+    check["tailguard_load"] = ours
     check |= {"vllm_bench_serve": theirs, "ratio_tailguard_to_vllm": ratios}
     print(json.dumps({"cross_check": check}, indent=1), flush=True)
     time.sleep(2)
@@ -529,7 +551,8 @@ def bench_sweep(
         for k, rate in enumerate(sorted({round(r, 2) for r in rates})):
             n = max(40, round(rate * 2 * seconds))
             for arrivals in xcheck["arrivals"]:
-                checks.append(_cross_check_one(srv, venv, rate, n, k, arrivals, out_dir))
+                checks.append(_cross_check_one(srv, venv, rate, n, k, arrivals, out_dir,
+                                               xcheck.get("vllm_first", False)))  # fmt: skip
         out["cross_check"] = checks
     return out
 
@@ -579,6 +602,7 @@ def main() -> int:
             "only": a.xcheck_only,
             "rates": [float(r) for r in a.xcheck_rates.split(",") if r],
             "arrivals": a.xcheck_arrivals.split(","),
+            "vllm_first": a.xcheck_vllm_first,
         }
         results["sweep"] = bench_sweep(
             5.0 if q else 10.0, 4 if q else 6, a.out, a.vllm_venv, xcheck, a.server, a.vllm_dtype
