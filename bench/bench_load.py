@@ -568,6 +568,8 @@ def main() -> int:
     ap.add_argument("--xcheck-only", action="store_true", help="sweep: skip the sweep itself")
     ap.add_argument("--xcheck-rates", default="", help="sweep: cross-check rates, e.g. 4,8,12")
     ap.add_argument("--xcheck-arrivals", default="constant,poisson", help="constant,poisson")
+    ap.add_argument("--xcheck-vllm-first", action="store_true",
+                    help="sweep: at each rate run vLLM's client before tailguard load")  # fmt: skip
     ap.add_argument(
         "--server",
         choices=("tailguard", "vllm"),
