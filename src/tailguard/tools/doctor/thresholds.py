@@ -120,5 +120,9 @@ CX_CLOSED_MIN = 10
 that finished and closed its few pooled connections is not churn."""
 
 # --- confidence ----------------------------------------------------------------------------------
+DECODE_SLOWDOWN = 3.0
+"""vLLM admits a flood into its running batch instead of a waiting queue (no queue to read):
+per-token time in the window over 3x the server's own mean before it says the batch outgrew the
+hardware. A batch that grows from 1 to 8 on a CPU costs well under 2x per token."""
 CAUSE_MIN_CONFIDENCE = 0.5
 """A finding at or above this is named as a cause (exit 1); below it is reported as a note."""
