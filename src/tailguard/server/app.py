@@ -316,6 +316,8 @@ class App:
                         "created": 0,
                         "owned_by": "tailguard",
                         "max_model_len": self.engine.max_model_len or None,  # None: not started
+                        # token ids a prompt may use (load tools draw random prompts from it)
+                        "vocab_size": self.model.tokenizer.vocab_size,
                     }
                 ],
             }

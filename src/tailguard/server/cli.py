@@ -78,6 +78,7 @@ def make_engine(cfg: ServerConfig) -> EngineClientProtocol:
             max_num_seqs=e.max_num_seqs,
             max_num_batched_tokens=e.max_num_batched_tokens,
             max_model_len=e.max_model_len or 4096,
+            num_kv_blocks=cfg.simulated_kv_blocks or None,
             max_restarts=e.max_restarts,
         )
     try:

@@ -130,6 +130,10 @@ class ServerConfig:
     """--engine simulated: tokens processed per second (in steps of max_num_batched_tokens)."""
     simulated_step_overhead_ms: float = 2.0
     """--engine simulated: fixed cost of every step (ms)."""
+    simulated_kv_blocks: int = 0
+    """--engine simulated: KV blocks (16 tokens each) in its pool; 0: every sequence fits at
+    full length (no preemption). Fewer: the scheduler preempts and recomputes, as a real engine
+    with a small pool does."""
     handlers_per_iteration: int = 64
     """Most chunks of newly read request data parsed (and their handlers started) per event-loop
     iteration; the rest wait their turn in arrival order (bounds how long answers for admitted
@@ -215,6 +219,10 @@ class ServerConfig:
         need(
             self.simulated_tokens_per_s > 0 and self.simulated_step_overhead_ms >= 0,
             "simulated_tokens_per_s must be > 0 and simulated_step_overhead_ms >= 0",
+        )
+        need(
+            self.simulated_kv_blocks >= 0,
+            f"simulated_kv_blocks={self.simulated_kv_blocks}: must be >= 0 (0: enough for all)",
         )
         need(self.loop_lag_interval_ms > 0, "loop_lag_interval_ms must be > 0")
         need(

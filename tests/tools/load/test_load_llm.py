@@ -210,3 +210,27 @@ def test_probe_workers_wait_out_a_refusal_instead_of_hammering(local_server) -> 
     assert all(r.retry_after_s == 1.0 for r in res.records)
     hammered = asyncio.run(run_load(LoadConfig(srv.url, prof)))
     assert hammered.summary.total > 50  # without the wait: as fast as refusals come back
+
+
+def test_random_token_ids_come_from_the_servers_vocabulary(
+    simulated_server, tmp_path: Path
+) -> None:
+    """--tokenizer with a 32,000-token vocabulary against a server whose model has 259 tokens
+    (the simulated engine's byte tokenizer): ids must come from the server's vocabulary, which
+    it lists in /v1/models, or every request is a 400."""
+    from tailguard.model.embedded import TOKENIZER_FILE, mistral_v1_tokenizer_path
+
+    (tmp_path / TOKENIZER_FILE).write_bytes(mistral_v1_tokenizer_path().read_bytes())
+    srv = simulated_server()
+    report = tmp_path / "run"
+    code = main(["load", srv.url, "--endpoint", "completions", "--stream", "--tokenizer",
+                 str(tmp_path), "--random-input-len", "24", "--random-output-len", "4",
+                 "--rate", "40", "--duration", "1s", "--quiet", *LENIENT,
+                 "--report", str(report)])  # fmt: skip
+    result = json.loads((report / "result.json").read_text())
+    s = result["summary"]
+    assert code == 0 and s["ok"] == s["total"] == 40, s["errors_by_kind"]
+    assert s["prompt_tokens"]["min"] == s["prompt_tokens"]["max"] == 24
+    src = result["config"]["source"]
+    assert src["server_vocab"] == 259 and src["token_ids"] == [3, 259]
+    assert "the server's vocabulary" in result["config"]["source_text"]

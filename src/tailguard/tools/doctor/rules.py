@@ -48,11 +48,33 @@ class Capacity:
         return self.busy >= T.ENGINE_BUSY_RATIO and self.waiting >= T.WAITING_MIN
 
     backlog_only: bool = False  # no step or batch figures (vLLM): a growing queue is the sign
+    decode_slowdown: float | None = None  # vLLM: per-token time in the window / before it
+
+    @property
+    def batch_outgrown(self) -> bool:
+        """vLLM: the running batch outgrew the hardware (per-token time rose DECODE_SLOWDOWN x)."""
+        s = self.decode_slowdown
+        return self.backlog_only and s is not None and s >= T.DECODE_SLOWDOWN
 
     @property
     def saturated(self) -> bool:
         full = self.fill is not None and self.fill >= T.BATCH_FULL_RATIO
-        return full or self.busy_with_queue or (self.backlog_only and self.waiting >= T.WAITING_MIN)
+        backlog = self.backlog_only and self.waiting >= T.WAITING_MIN
+        return full or self.busy_with_queue or backlog or self.batch_outgrown
+
+
+TPOT = "tailguard_time_per_output_token_seconds"
+
+
+def decode_slowdown(sw: ServerWindow) -> float | None:
+    """Mean per-token time in the window over the server's own mean before it (its history);
+    None without both."""
+    h = sw.hist(TPOT)
+    n0 = sw.before.get(TPOT + "_count")
+    if h.count <= 0 or n0 <= 0:
+        return None
+    before = sw.before.get(TPOT + "_sum") / n0
+    return h.mean / before if before > 0 else None
 
 
 def capacity(sw: ServerWindow, window_s: float) -> Capacity:
@@ -61,8 +83,9 @@ def capacity(sw: ServerWindow, window_s: float) -> Capacity:
                   sw.after.get("tailguard_requests_waiting"))  # fmt: skip
     # vLLM's scheduler leaves a request waiting only when the batch or the KV pool is full, so
     # a queue of 8+ there means at capacity (it exports no step time or max_num_seqs).
-    return Capacity(fill=batch_fill(sw), busy=busy, waiting=waiting,
-                    backlog_only=sw.kind == "vllm")  # fmt: skip
+    vllm = sw.kind == "vllm"
+    return Capacity(fill=batch_fill(sw), busy=busy, waiting=waiting, backlog_only=vllm,
+                    decode_slowdown=decode_slowdown(sw) if vllm else None)  # fmt: skip
 
 
 def queue_slow_share(sw: ServerWindow, sla_s: float) -> float:

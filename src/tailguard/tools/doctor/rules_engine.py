@@ -49,6 +49,21 @@ def _rates(sw: ServerWindow, window_s: float) -> tuple[float, float, float]:
     return offered, served, est
 
 
+def preempting(sw: ServerWindow) -> bool:
+    """Sequences preempted (recomputed later) on over 1% of the window's requests."""
+    rq = max(1.0, sw.hist(LATENCY, outcome="ok").count)
+    return sw.delta("tailguard_preemptions_total") / rq > T.PREEMPT_PER_REQUEST
+
+
+def kv_bound(sw: ServerWindow, window_s: float, sla_s: float) -> bool:
+    """The KV pool caps the batch: preempting, the batch under half full, and requests queueing
+    past SLA/2 (or refused). The queue, or admission's refusals, then measure the pool's
+    capacity, not the engine's compute: the fix is the pool (kv_exhaustion), not capacity."""
+    c = capacity(sw, window_s)
+    queued = queue_slow_share(sw, sla_s) > T.QUEUE_SLOW_SHARE or refused(sw) > 0
+    return preempting(sw) and c.fill is not None and c.fill < T.KV_BOUND_FILL and queued
+
+
 def _client_refusals(ld: LoadSummary | None) -> list[Evidence]:
     """The load report's refusals (429/503), how many said when to retry, the offered rate."""
     if ld is None or not ld.requests:
@@ -93,6 +108,10 @@ def overload(obs: Observation, sym: Symptom) -> Finding:
                q_share > T.QUEUE_SLOW_SHARE, 0.35, where=w),
             ev("waiting queue growth (before -> after)", wait_a - wait_b,
                max(T.WAITING_MIN, cap), backlog, 0.3, where=w),
+            *([ev("per-token time in the window / the server's mean before it (vLLM: the "
+                  "running batch outgrew the hardware)", c.decode_slowdown, T.DECODE_SLOWDOWN,
+                  c.batch_outgrown, 0.5, unit="x", where=w)]
+              if c.decode_slowdown is not None else []),
             ev("offered rate (served + refused)", offered, None, False, 0.0, unit=" req/s",
                where=w),
             ev("capacity measured (served / engine busy share)", est, None, False, 0.0,
@@ -109,6 +128,9 @@ def overload(obs: Observation, sym: Symptom) -> Finding:
             conf, note = conf * 0.3, "queueing with room in the engine: a dispatch problem"
         elif not refusing and tps is not None and tps > T.PREFILL_TOKENS_PER_SEQ:
             conf, note = conf * 0.6, "the queue is prompt tokens: see prefill_heavy"
+        pool_caps = kv_bound(sw, win, sla)
+        if pool_caps:
+            conf, note = conf * 0.6, "sequences wait for KV blocks: see kv_exhaustion"
         if conf >= best[0]:
             ratio = f" ({offered / est:.1f}x)" if est > 0 else ""
             rates = f"offered {offered:.0f} req/s against a measured capacity of ~{est:.0f}{ratio}"
@@ -116,7 +138,7 @@ def overload(obs: Observation, sym: Symptom) -> Finding:
             # whose queue grew under demand well over what it served (a neighbour that slowed
             # it is then listed after: the queue grows faster than it drains either way).
             swamped = c.saturated and backlog and offered >= T.OFFERED_OVER_CAPACITY * est
-            first = (refusing and not (idle and not c.saturated)) or swamped
+            first = ((refusing and not (idle and not c.saturated)) or swamped) and not pool_caps
             best = (round(conf, 3), ev_, w, first, rates + (f"; {note}" if note else ""))
     conf, evidence, where, first, rates = best
     if not obs.servers:
@@ -235,10 +257,12 @@ def prefill_heavy(obs: Observation, sym: Symptom) -> Finding:
 
 
 def kv_exhaustion(obs: Observation, sym: Symptom) -> Finding:
-    """The KV pool runs dry: sequences are preempted and their prefill recomputed later."""
+    """The KV pool runs dry: sequences are preempted and their prefill recomputed later; when
+    it also caps the batch (kv_bound), the queue behind it is the pool's doing."""
     best = Strongest()
     for sw in obs.servers:
         w = sw.name
+        c = capacity(sw, obs.window_s)
         preempt = sw.delta("tailguard_preemptions_total")
         rq = max(1.0, sw.hist(LATENCY, outcome="ok").count)
         usage = max(sw.before.get("tailguard_kv_cache_usage_ratio"),
@@ -252,6 +276,9 @@ def kv_exhaustion(obs: Observation, sym: Symptom) -> Finding:
             ev("preemptions in the window", preempt, None, False, 0.0, where=w),
             ev("KV usage at a window end", usage, T.KV_USAGE_FULL, usage >= T.KV_USAGE_FULL, 0.25,
                where=w),
+            ev("requests queued or refused while preempting with the batch under half full",
+               -1.0 if c.fill is None else c.fill, T.KV_BOUND_FILL,
+               kv_bound(sw, obs.window_s, sym.sla_s), 0.4, where=w),
         ]  # fmt: skip
         best.offer(ev_, w)
     return best.finding(
@@ -268,4 +295,12 @@ def kv_exhaustion(obs: Observation, sym: Symptom) -> Finding:
     )
 
 
-__all__ = ["admission", "kv_exhaustion", "overload", "prefill_heavy", "tokens_per_seq"]
+__all__ = [
+    "admission",
+    "kv_bound",
+    "kv_exhaustion",
+    "overload",
+    "preempting",
+    "prefill_heavy",
+    "tokens_per_seq",
+]

@@ -89,6 +89,10 @@ one stop every second or so, enough to push the slowest 1% past a 150 ms budget.
 PREEMPT_PER_REQUEST = 0.01
 """Preemptions (sequences evicted and recomputed for KV space) on over 1% of requests: each one
 repeats a prefill and stalls its request; a pool sized for the load preempts ~never."""
+KV_BOUND_FILL = 0.5
+"""A batch under half of max_num_seqs while sequences are preempted and requests queue: the KV
+pool, not compute or max_num_seqs, caps the batch (more blocks would raise the capacity, more
+cores would not)."""
 KV_USAGE_FULL = 0.95
 """KV usage at 95%+ of the pool at a window end: the next long prompt preempts someone."""
 
@@ -116,5 +120,9 @@ CX_CLOSED_MIN = 10
 that finished and closed its few pooled connections is not churn."""
 
 # --- confidence ----------------------------------------------------------------------------------
+DECODE_SLOWDOWN = 3.0
+"""vLLM admits a flood into its running batch instead of a waiting queue (no queue to read):
+per-token time in the window over 3x the server's own mean before it says the batch outgrew the
+hardware. A batch that grows from 1 to 8 on a CPU costs well under 2x per token."""
 CAUSE_MIN_CONFIDENCE = 0.5
 """A finding at or above this is named as a cause (exit 1); below it is reported as a note."""

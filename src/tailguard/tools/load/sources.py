@@ -32,7 +32,7 @@ import orjson
 from tailguard.errors import ConfigError
 from tailguard.tools.load.config import ENDPOINT_PATHS, LoadConfig, endpoint_body
 
-__all__ = ["Body", "BodySource", "read_dataset"]
+__all__ = ["Body", "BodySource", "read_dataset", "server_vocab"]
 
 # Token ids every tokenizer has without a vocabulary file: SimpleTokenizer's bytes (3..258),
 # and the byte-fallback tokens of SentencePiece vocabularies (<0x00>..<0xFF>).
@@ -116,6 +116,8 @@ class BodySource:
         self.id_range = BYTE_IDS
         if self.tokenizer is not None and self.tokenizer.vocab_size > 1000:
             self.id_range = (BYTE_IDS[1], self.tokenizer.vocab_size)  # past specials and bytes
+        self.server_vocab: int | None = None  # what the server's /v1/models says, when asked
+        self._vocab_asked = False
         self._built: list[Body] = []
 
     def at_offset(self, offset: int) -> BodySource:
@@ -127,6 +129,34 @@ class BodySource:
         other.cfg = replace(self.cfg, body_offset=offset)
         other._built = []
         return other
+
+    # ---- the server's vocabulary -----------------------------------------------------------
+    @property
+    def draws_token_ids(self) -> bool:
+        """Random prompts sent as token ids (every endpoint but chat, which gets text)."""
+        return self.spec.input_len is not None and self.cfg.endpoint != "chat"
+
+    async def ask_server_vocab(self) -> None:
+        """Before the first body: read the server's vocabulary size from GET /v1/models
+        (tailguard lists `vocab_size`; servers that do not are left to --tokenizer) and keep
+        the drawn ids inside it. Once per source; a sweep's steps share the answer."""
+        if self._vocab_asked or not self.draws_token_ids:
+            return
+        self.fit_server_vocab(await server_vocab(self.cfg))
+
+    def fit_server_vocab(self, vocab: int | None) -> None:
+        """Token ids from the server's vocabulary when the tokenizer's (or the byte ids) reach
+        past it: a --tokenizer that is not the server's model's must not make every request
+        a 400 ("token id ... is outside the vocabulary")."""
+        self._vocab_asked = True
+        self.server_vocab = vocab
+        if vocab is None or self.id_range[1] <= vocab:
+            return
+        if vocab > 1000:  # a real vocabulary: past its specials and byte tokens
+            self.id_range = (BYTE_IDS[1], vocab)
+        else:  # a byte tokenizer (259) or smaller
+            self.id_range = (min(BYTE_IDS[0], vocab - 1), min(BYTE_IDS[1], vocab))
+        self._built = []
 
     # ---- what the header says --------------------------------------------------------------
     @property
@@ -156,8 +186,12 @@ class BodySource:
             unit = "tokens"
             if self.cfg.endpoint == "chat":
                 unit = "tokens of text" if self.tokenizer is not None else "words (approximate)"
+            ids = ""
+            if self.draws_token_ids and self.server_vocab is not None:
+                lo, hi = self.id_range
+                ids = f", ids {lo}-{hi - 1} of the server's vocabulary ({self.server_vocab:,})"
             return (
-                f"random prompts, input {_span(s.input_len)} {unit}{out}, seed {s.seed}; "
+                f"random prompts, input {_span(s.input_len)} {unit}{out}{ids}, seed {s.seed}; "
                 "every body different"
             )
         return f"--prompt with a per-request suffix (nonce {self.nonce}){out}; every body different"
@@ -173,6 +207,8 @@ class BodySource:
             "seed": s.seed,
             "nonce": self.nonce if s.kind == "default" else None,
             "distinct_bodies": self.distinct,
+            "token_ids": list(self.id_range) if self.draws_token_ids else None,
+            "server_vocab": self.server_vocab,
         }
 
     # ---- bodies ------------------------------------------------------------------------------
@@ -237,6 +273,28 @@ class BodySource:
         if ep == "infer":
             return {"input_ids": ids, "top_k": 5}
         return {"model": model, "input": ids}  # embeddings
+
+
+async def server_vocab(cfg: LoadConfig) -> int | None:
+    """`vocab_size` of the run's model in the server's GET /v1/models (tailguard's extension of
+    the OpenAI listing, next to vLLM's `max_model_len`); None when it has none or no answer."""
+    import aiohttp
+
+    url = _origin(cfg.url) + "/v1/models"
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
+            session.get(url, headers=dict(cfg.headers)) as resp,
+        ):
+            data = orjson.loads(await resp.read()) if resp.status == 200 else {}
+    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        return None
+    models = [m for m in data.get("data", []) if isinstance(m, dict)]
+    models.sort(key=lambda m: m.get("id") != cfg.model)  # the run's model first
+    sizes = [m["vocab_size"] for m in models if isinstance(m.get("vocab_size"), int)]
+    return sizes[0] if sizes and sizes[0] > 0 else None
 
 
 def _draw(rng: random.Random, span: tuple[int, int]) -> int:

@@ -178,6 +178,7 @@ async def run_sweep(
     p = cfg.profile
     assert p.kind == "sweep" and p.duration_s is not None
     source = source or BodySource(cfg)
+    await source.ask_server_vocab()  # once: every step's bodies continue from this source
     used = 0
     steps: list[LoadResult] = []
 
