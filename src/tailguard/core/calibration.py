@@ -147,11 +147,11 @@ class Calibration:
         n, m = len(EDGES_S) + 1, len(self.ladder)
         self._samples = [deque[tuple[float, float]](maxlen=window) for _ in range(n)]  # (t, excess)
         self._dirty: set[int] = set()  # classes with new or expired samples
-        self._measured: list[float | None] = [None] * n  # each class's own target quantile
         # per ladder level, per class: the excess planned for, and the bound at the top of
         # every smaller class
         self._own: list[list[float | None]] = [[None] * n for _ in range(m)]
         self._floor: list[list[float]] = [[0.0] * n for _ in range(m)]
+        # each class's own quantiles, one per ladder level (None: too few samples)
         self._class_ladder: list[tuple[float, ...] | None] = [None] * n
         self.live_excess_s = 0.0
 
@@ -179,7 +179,8 @@ class Calibration:
         k = self.size_class(predicted_s)
         excess = actual_s - predicted_s
         d = self._samples[k]
-        planned = self._measured[k]
+        own = self._class_ladder[k]
+        planned = None if own is None else own[self.target_level]
         same_batch = bool(d) and d[-1][0] == now_s
         if planned is not None and same_batch and min(excess, d[-1][1]) > planned:
             d[-1] = (now_s, max(d[-1][1], excess))
@@ -203,8 +204,6 @@ class Calibration:
                 self._class_ladder[k] = tuple(_quantile_sorted(ordered, q) for q in self.ladder)
             else:
                 self._class_ladder[k] = None
-            own = self._class_ladder[k]
-            self._measured[k] = None if own is None else own[self.target_level]
         self._dirty.clear()
         for level in range(len(self.ladder)):
             self._spread(level)
