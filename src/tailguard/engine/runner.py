@@ -28,6 +28,7 @@ from tailguard.engine.buckets import (
     step_keys,
 )
 from tailguard.engine.config import EngineConfig
+from tailguard.engine.sampling import sample_rows
 from tailguard.model.batch import NULL_BLOCK, AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
 from tailguard.model.loader import best_cpu_dtype, load_model, resolve_dtype
@@ -250,7 +251,7 @@ class ModelRunner:
         rows: torch.Tensor,
         logits: torch.Tensor | None,
     ) -> list[SeqResult]:
-        greedy = logits.argmax(dim=-1).tolist() if logits is not None else []
+        tokens = self._next_tokens(items, logits)
         results: list[SeqResult] = []
         for i, item in enumerate(items):
             req = item.seq.request
@@ -270,17 +271,54 @@ class ModelRunner:
                 logp = torch.log_softmax(logits[i].float(), dim=-1)
                 vals, ids = logp.topk(min(req.top_k, logp.numel()))
                 top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-            token = None
-            if (
-                req.kind == RequestKind.GENERATE
-                and not item.seq.is_single_pass
-                and logits is not None
-            ):
-                token = greedy[i] if req.sampling.temperature == 0 else self._sample(req, logits[i])
-            results.append(SeqResult(token_id=token, embedding=embedding, top_logprobs=top))
+            results.append(SeqResult(token_id=tokens.get(i), embedding=embedding, top_logprobs=top))
             if item.seq.is_single_pass:
                 self.forget(req.request_id)
         return results
+
+    def _next_tokens(
+        self, items: list[ScheduledSeq], logits: torch.Tensor | None
+    ) -> dict[int, int]:
+        """Row index -> next token, for every generation whose prompt is done this step: greedy
+        rows by one argmax over the batch, sampled rows together (engine/sampling.py)."""
+        if logits is None:
+            return {}
+        generating = [
+            i
+            for i, item in enumerate(items)
+            if item.completes
+            and item.seq.request.kind == RequestKind.GENERATE
+            and not item.seq.is_single_pass
+        ]
+        if not generating:
+            return {}
+        sampled = [i for i in generating if items[i].seq.request.sampling.temperature > 0]
+        tokens: dict[int, int] = {}
+        if len(sampled) < len(generating):
+            greedy = logits.argmax(dim=-1).tolist()
+            tokens = {i: greedy[i] for i in generating}
+        if sampled:
+            reqs = [items[i].seq.request for i in sampled]
+            picks = sample_rows(
+                logits[sampled],
+                [r.sampling.temperature for r in reqs],
+                [r.sampling.top_p for r in reqs],
+                [self._generator(r) for r in reqs],
+                self._rng,
+            )
+            tokens.update(zip(sampled, picks, strict=True))
+        return tokens
+
+    def _generator(self, req: EngineRequest) -> torch.Generator | None:
+        """A seeded request's own generator (made on its first sampled token), else None."""
+        seed = req.sampling.seed
+        if seed is None:
+            return None
+        own = self._generators.get(req.request_id)
+        if own is None:
+            own = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[req.request_id] = own
+        return own
 
     def _accumulate(self, rid: str, item: ScheduledSeq, chunk: torch.Tensor) -> None:
         total = chunk.sum(dim=0, dtype=torch.float32)  # [hidden]; no [n, hidden] fp32 copy
@@ -292,22 +330,6 @@ class ModelRunner:
     def _embedding(self, rid: str, last: torch.Tensor, pooling: Pooling, n: int) -> list[float]:
         vec = self._pool_sums.pop(rid) / n if pooling == Pooling.MEAN else last.float()
         return torch.nn.functional.normalize(vec, dim=0).tolist()
-
-    def _sample(self, req: EngineRequest, row: torch.Tensor) -> int:
-        sp = req.sampling
-        probs = torch.softmax(row.float() / sp.temperature, dim=-1)
-        if sp.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(-1) - sorted_p < sp.top_p  # always keeps the best token
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-        gen = self._rng
-        if sp.seed is not None:
-            own = self._generators.get(req.request_id)
-            if own is None:
-                own = torch.Generator(device=self.device).manual_seed(sp.seed)
-                self._generators[req.request_id] = own
-            gen = own
-        return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,70 @@
+"""Sampling a step's next tokens: every sampled row at once, one uniform draw per row.
+
+`torch.multinomial` on one 32,000-wide row costs ~0.8 ms on this project's CPUs (it prepares
+the whole distribution for each call), so sampling row by row cost 1.7 ms per sequence in a
+decode step: more than the forward's share of a sequence on the embedded model, and the
+largest per-sequence term in the step cost admission predicts. Here the rows are sampled
+together by inverse CDF: softmax at each row's temperature, a cumulative sum (float64, so the
+last of 32,000 probabilities keeps its weight), and one uniform per row located with
+`searchsorted`. That is exact sampling from the same distribution, at ~0.1 ms per row.
+
+Top-p (nucleus) rows are sorted first and their tail zeroed before the cumulative sum; the
+best token is always kept. A request with its own seed draws its uniform from its own
+generator, so its tokens do not depend on what else shares the step; the others share the
+engine's generator (seeded by the engine's `seed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["sample_rows"]
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperatures: Sequence[float],
+    top_ps: Sequence[float],
+    generators: Sequence[torch.Generator | None],
+    shared: torch.Generator,
+) -> list[int]:
+    """One token id per row of `logits` [R, vocab]: row i at `temperatures[i]` (> 0) and
+    `top_ps[i]`, its uniform drawn from `generators[i]`, or from `shared` where that is None."""
+    rows = logits.shape[0]
+    if rows == 0:
+        return []
+    temp = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)
+    probs = torch.softmax(logits.float() / temp.unsqueeze(1), dim=-1)
+    order: torch.Tensor | None = None
+    nucleus = [i for i, p in enumerate(top_ps) if p < 1.0]
+    if nucleus:
+        probs, order = probs.sort(dim=-1, descending=True)
+        top_p = torch.tensor(top_ps, dtype=torch.float32, device=logits.device).unsqueeze(1)
+        # keep a token while the mass before it is under top_p: the best one always stays
+        probs = probs * ((probs.cumsum(-1) - probs) < top_p)
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    u = _uniforms(rows, generators, shared, logits.device)
+    total = cdf[:, -1]
+    # below the total even where u * total rounds up to it: never past the last kept token
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    picks = torch.searchsorted(cdf, x.unsqueeze(1), right=True).squeeze(1)
+    if order is not None:
+        picks = order.gather(1, picks.unsqueeze(1)).squeeze(1)
+    return [int(t) for t in picks.tolist()]
+
+
+def _uniforms(
+    rows: int,
+    generators: Sequence[torch.Generator | None],
+    shared: torch.Generator,
+    device: torch.device,
+) -> torch.Tensor:
+    """A uniform in [0, 1) per row: the shared generator's in one draw, each seeded row's from
+    its own generator."""
+    u = torch.rand(rows, generator=shared, dtype=torch.float64, device=device)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            u[i] = torch.rand(1, generator=gen, dtype=torch.float64, device=device)[0]
+    return u
