@@ -17,6 +17,7 @@ from tailguard.core.admission import (
 )
 from tailguard.core.calibration import Calibration
 from tailguard.core.request import EngineOutput, FinishReason, Priority
+from tailguard.core.stats import StepStats
 
 INT, BAT = Priority.INTERACTIVE, Priority.BATCH
 A, B = 0.010, 0.0001
@@ -416,3 +417,32 @@ def test_an_edge_request_spends_the_miss_budget_instead_of_being_refused() -> No
     before = loose.expected_miss_share
     assert decide(loose, "safe", tokens=100, deadline=1.0).admitted
     assert loose.expected_miss_share == pytest.approx(before * 0.99)
+
+
+def test_a_step_is_priced_with_its_head_rows_at_the_engine_buckets() -> None:
+    c = make(token_buckets=(16, 64, 256, 1024), row_buckets=(1, 16, 64))
+    warm = [StepStats(0.0, A + B * n + 0.001, 1, n, 1, n, n, 0) for n in (16, 64, 256, 1024)]
+    heads = [StepStats(0.0, 0.001 * r, r, 0, r, 0, 0, 0) for r in (1, 16, 64)]
+    for step in warm + heads:
+        c.observe_step(step)
+    c.cost.refit()
+    assert c.cost.c == pytest.approx(0.001)
+    for i in range(20):  # 20 generations decoding
+        decide(c, f"g{i}", tokens=10, out=50, single=False, deadline=10.0)
+        c.observe_output(output(f"g{i}"), now_s=0.0)
+    c.step_ended(0.0)
+    d = decide(c, "x", tokens=30, deadline=10.0)
+    # one step: 20 decodes + 30 prompt tokens (50, run as 64), 21 head rows (run as 64); the
+    # step running now decodes the 20 (run as 64 tokens and 64 rows)
+    step = A + B * 64 + 0.001 * 64
+    assert d.predicted_s == pytest.approx(step + step)
+
+
+def test_the_tokens_step_cost_is_the_previous_linear_model() -> None:
+    c = make(step_cost="tokens", token_buckets=(16, 64, 256, 1024), row_buckets=(1, 16, 64))
+    for n in (16, 64, 256, 1024):
+        c.observe_step(StepStats(0.0, A + B * n, 1, n, 1, n, n, 0))
+    c.observe_step(StepStats(0.0, 0.064, 64, 0, 64, 0, 0, 0))  # a head run: not priced
+    c.cost.refit()
+    assert (c.cost.a, c.cost.b, c.cost.c) == pytest.approx((A, B, 0.0))
+    assert decide(c, "x", tokens=50).predicted_s == pytest.approx(A + 50 * B)

@@ -139,3 +139,29 @@ def test_a_ladder_of_quantiles_each_with_monotonic_bounds() -> None:
         bounds = [c.bound(p, level) for p in sizes]
         assert bounds == sorted(bounds), level
     assert all(c.bound(p, 0) >= c.bound(p, 1) >= c.bound(p, 2) for p in sizes)
+
+
+def test_cost_model_prices_head_rows_from_the_warm_up_at_the_padded_sizes() -> None:
+    m = StepCostModel(0.001, 0.001, token_buckets=(16, 32, 64, 128), row_buckets=(1, 8, 16))
+    for n in (16, 32, 64, 128):  # warm-up forwards: one head row each
+        m.observe(n, 0.004 + 0.0001 * n + 0.0005)
+    for r in (1, 8, 16):  # the head alone, per row bucket (0 tokens)
+        m.observe(0, 0.0005 * r, r)
+    m.refit()
+    assert (m.a, m.b, m.c) == pytest.approx((0.004, 0.0001, 0.0005), rel=1e-6)
+    # 20 tokens run as 32, 9 head rows as 16
+    assert m.step_s(20, 9) == pytest.approx(0.004 + 0.0001 * 32 + 0.0005 * 16, rel=1e-6)
+    for _ in range(200):  # live decode steps of 12 sequences (padded 16 x 16), 1.5x the shape
+        m.observe(16, 1.5 * (0.004 + 0.0016 + 0.008), 16)
+    assert m.step_s(12, 12) == pytest.approx(1.5 * 0.0136, rel=1e-3)
+
+
+def test_cost_model_without_rows_ignores_the_head_and_the_buckets() -> None:
+    m = StepCostModel(0.001, 0.001, rows=False)
+    for n in (16, 32, 64, 128):
+        m.observe(n, 0.004 + 0.0001 * n)
+    for r in (1, 8, 16):
+        m.observe(0, 0.0005 * r, r)  # not a step of this model: ignored
+    m.refit()
+    assert (m.a, m.b, m.c) == pytest.approx((0.004, 0.0001, 0.0), rel=1e-6)
+    assert m.step_s(20, 9) == pytest.approx(0.004 + 0.0001 * 20, rel=1e-6)

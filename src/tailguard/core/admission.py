@@ -73,6 +73,7 @@ from itertools import islice
 
 from tailguard.core.calibration import Calibration, StepCostModel
 from tailguard.core.request import EngineOutput, FinishReason, Priority
+from tailguard.core.stats import StepStats
 
 __all__ = [
     "AdmissionConfig",
@@ -100,6 +101,14 @@ class AdmissionConfig:
     """Engine per-step token budget (from EngineConfig)."""
     max_num_seqs: int = 64
     """Engine batch capacity (from EngineConfig)."""
+    token_buckets: tuple[int, ...] = ()
+    """The token counts the engine pads a step to (from EngineConfig; empty: no padding)."""
+    row_buckets: tuple[int, ...] = ()
+    """The sequence counts the engine pads the output head's rows to (EngineConfig's
+    seq_buckets; empty: no padding)."""
+    step_cost: str = "rows"
+    """rows: a step costs a + b * tokens + c * head rows at the padded sizes; tokens: a + b *
+    tokens, unpadded (the previous model, kept to compare)."""
     batch_share: float = 0.8
     """Share of the caps batch-priority work may fill; the rest is kept for interactive work."""
     target_quantile: float = 0.99
@@ -140,6 +149,10 @@ class AdmissionConfig:
             self.max_num_batched_tokens > self.max_num_seqs >= 1,
             f"max_num_batched_tokens={self.max_num_batched_tokens} must exceed "
             f"max_num_seqs={self.max_num_seqs} (>= 1): a step decodes every held sequence",
+        )
+        need(
+            self.step_cost in ("rows", "tokens"),
+            f"step_cost={self.step_cost!r}: use rows or tokens",
         )
         need(0.0 < self.batch_share <= 1.0, f"batch_share={self.batch_share}: in (0, 1]")
         need(
@@ -254,7 +267,14 @@ class AdmissionController:
 
     def __post_init__(self) -> None:
         cfg = self.config
-        self.cost = StepCostModel(cfg.prior_step_overhead_s, cfg.prior_s_per_token)
+        rows = cfg.step_cost == "rows"
+        self.cost = StepCostModel(
+            cfg.prior_step_overhead_s,
+            cfg.prior_s_per_token,
+            token_buckets=cfg.token_buckets if rows else (),
+            row_buckets=cfg.row_buckets if rows else (),
+            rows=rows,
+        )
         self.calibration = {True: cfg.calibration(), False: cfg.calibration()}  # by single_pass
         self._items: dict[str, WorkItem] = {}
         self._pending: dict[str, WorkItem] = {}  # deadline event not seen yet, oldest first
@@ -296,6 +316,15 @@ class AdmissionController:
     def step_ended(self, t_s: float) -> None:
         """The engine reported a step that ended at `t_s` (monotonic): the next one began then."""
         self._step_start_s = max(self._step_start_s, t_s)
+
+    def observe_step(self, step: StepStats) -> None:
+        """One engine step (or warm-up run) reported: the step-cost fit learns from it, and the
+        next step began when it ended."""
+        if self.config.step_cost == "rows":
+            self.cost.observe(step.padded_tokens, step.step_s, step.padded_seqs)
+        else:
+            self.cost.observe(step.num_tokens, step.step_s)
+        self.step_ended(step.t_s)
 
     def _enter(self, rid: str, item: WorkItem) -> None:
         if not self._items:  # an idle engine starts a step for this one now
@@ -377,10 +406,16 @@ class AdmissionController:
             steps = max(steps, math.ceil((ahead.requests - ahead.generations + 1) / free))
         else:
             steps = max(steps, self._steps_until_freed(1 - free) + 1)
-        a, b = self.cost.a, self.cost.b
-        t = steps * (a + b * held) + b * tokens
+        # each step decodes the held sequences and prefills its share of the prompts ahead
+        # (the last of them completing: a head row each), at the engine's padded sizes
+        per_tokens = min(budget, held + tokens / steps)
+        per_rows = min(slots, held + (ahead.requests + 1) / steps)
+        t = steps * self.cost.step_s(per_tokens, per_rows)
         if self._items:  # a step is running: ours starts after what is left of it
-            running = a + b * min(budget, held + self._waiting_all.tokens)
+            running = self.cost.step_s(
+                min(budget, held + self._waiting_all.tokens),
+                min(slots, held + self._waiting_all.requests),
+            )
             t += max(running - (now_s - self._step_start_s), 0.0)
         return t
 
@@ -453,7 +488,7 @@ class AdmissionController:
             return Decision(True, predicted, math.inf, 0.0, "")
         # The engine drops it unstarted past this instant: a single-pass request that starts
         # later than deadline - its own compute could not finish in time anyway.
-        own = self.cost.step_s(prompt_tokens) if single_pass else 0.0
+        own = self.cost.step_s(prompt_tokens, 1) if single_pass else 0.0
         return Decision(True, predicted, deadline_s - own, 0.0, "")
 
     # ---- the miss budget ----------------------------------------------------------------------

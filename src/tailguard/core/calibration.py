@@ -1,6 +1,7 @@
 """What admission's predictions rest on, and how wrong they turn out to be, both measured.
 
-`StepCostModel` fits the engine's step time (`a + b * tokens`) from the steps it reports.
+`StepCostModel` fits the engine's step time (`a + b * tokens + c * rows`, at the engine's padded
+sizes) from the steps it reports.
 `Calibration` keeps the measured error of the predictions made from it: every answered request
 gives one sample of actual vs predicted time, and admission plans for a high quantile of those
 samples (the bound tightens when predictions are good and widens when the machine is noisy)
@@ -19,27 +20,46 @@ __all__ = ["EDGES_S", "Calibration", "RecentMax", "StepCostModel"]
 
 
 class StepCostModel:
-    """step_s ~= level * (a0 + b0 * num_tokens): a shape fitted once, a level that follows.
+    """step_s ~= level * (a0 + b0 * tokens + c0 * rows): a shape fitted once, a level that
+    follows. `tokens` and `rows` are the sizes the engine pads a step to (its token and
+    sequence buckets, when given): the forward runs on the padded tokens and the output head on
+    one padded row per sequence that completes its prompt or decodes.
 
     A linear fit rather than a tokens/s average because a step has a fixed cost (launch, python,
     sampling) that a small batch pays in full: a tokens/s figure measured at batch 1 would
-    underestimate a full batch's throughput several times over.
+    underestimate a full batch's throughput several times over. The rows term because a decode
+    token costs a head row (32,000 x hidden) and a prefill token does not: fitted on tokens
+    alone, a 36-sequence decode step was predicted at half its time while prefill-heavy steps
+    were overpredicted (live steps: tokens alone explained the step time to p10-p90 0.67-1.40x,
+    tokens and rows to 0.85-1.19x).
 
-    The shape `(a0, b0)` is fitted by least squares to the first steps the engine reports: its
-    warm-up, which runs every bucket shape once, so every size is in it. After that only the
-    level moves (a moving average of actual / shape over the recent steps): when other processes
-    take the engine's CPU every step slows by about the same factor, and the level follows
-    within a few steps. Refitting the shape from live steps does not work: they cover only the
-    sizes the traffic makes, a run of one-token decode steps cannot tell fixed cost from
-    per-token cost, and steps slowed by contention at some sizes and not others tilt the line
-    (measured: a 52 ms fixed cost fitted for 37 ms steps).
+    The shape `(a0, b0, c0)` is fitted by least squares to the first steps the engine reports:
+    its warm-up, which runs every token bucket's forward once (one row) and the head alone at
+    every row bucket (0 tokens), so every size is in it. After that only the level moves (a
+    moving average of actual / shape over the recent steps): when other processes take the
+    engine's CPU every step slows by about the same factor, and the level follows within a few
+    steps. Refitting the shape from live steps does not work: they cover only the sizes the
+    traffic makes, a run of one-token decode steps cannot tell fixed cost from per-token cost,
+    and steps slowed by contention at some sizes and not others tilt the line (measured: a
+    52 ms fixed cost fitted for 37 ms steps).
     """
 
-    def __init__(self, prior_a: float, prior_b: float, alpha: float = 0.1) -> None:
-        self.a0, self.b0 = prior_a, prior_b
+    def __init__(
+        self,
+        prior_a: float,
+        prior_b: float,
+        alpha: float = 0.1,
+        *,
+        token_buckets: tuple[int, ...] = (),
+        row_buckets: tuple[int, ...] = (),
+        rows: bool = True,
+    ) -> None:
+        self.a0, self.b0, self.c0 = prior_a, prior_b, 0.0
+        self.rows = rows  # False: a + b * tokens only (head rows not priced)
         self.level = 1.0
         self.alpha = alpha  # weight of a new step in the level's moving average
-        self._first: list[tuple[int, float]] = []  # steps before the shape is fitted
+        self.token_buckets, self.row_buckets = token_buckets, row_buckets
+        self._first: list[tuple[int, int, float]] = []  # (tokens, rows, s) before the fit
         self._fitted = False
 
     @property
@@ -50,37 +70,67 @@ class StepCostModel:
     def b(self) -> float:
         return self.b0 * self.level
 
-    def observe(self, num_tokens: int, step_s: float) -> None:
-        if num_tokens <= 0 or step_s <= 0:
+    @property
+    def c(self) -> float:
+        return self.c0 * self.level
+
+    def observe(self, num_tokens: int, step_s: float, rows: int = 1) -> None:
+        """One step of `num_tokens` tokens and `rows` head rows (padded or not: sizes are padded
+        here), or a warm-up run of the head alone (`num_tokens` 0)."""
+        if not self.rows:
+            rows = 0
+        if num_tokens < 0 or rows < 0 or num_tokens + rows <= 0 or step_s <= 0:
             return
         if not self._fitted:
-            self._first.append((num_tokens, step_s))
+            self._first.append((num_tokens, rows, step_s))
             return
-        ratio = step_s / (self.a0 + self.b0 * num_tokens)
+        ratio = step_s / self._shape(num_tokens, rows)
         self.level += self.alpha * (ratio - self.level)
 
     def refit(self) -> None:
         """Fit the shape once enough steps of different sizes are in (cheap; call after a batch
         of observations)."""
-        if self._fitted or len(self._first) < 4:
+        if self._fitted:
             return
-        xs = [x for x, _ in self._first]
-        if len(set(xs)) < 2:
+        forwards = [(x, r, y) for x, r, y in self._first if x > 0]
+        if len(forwards) < 4 or len({x for x, _, _ in forwards}) < 2:
             return  # one size cannot tell fixed from per-token cost: keep the prior's shape
-        n = len(self._first)
-        sx, sy = sum(xs), sum(y for _, y in self._first)
-        sxx = sum(x * x for x in xs)
-        sxy = sum(x * y for x, y in self._first)
-        b = (n * sxy - sx * sy) / (n * sxx - sx * sx)
-        a = (sy - b * sx) / n
+        heads = [(float(r), y) for x, r, y in self._first if x == 0]
+        c = max(_slope(heads), 0.0) if len({r for r, _ in heads}) >= 2 and self.rows else 0.0
+        points = [(float(self._pad(x, self.token_buckets)), y - c * r) for x, r, y in forwards]
+        b = _slope(points)
+        n = len(points)
+        a = (sum(y for _, y in points) - b * sum(x for x, _ in points)) / n
         if b <= 0:  # noise: fall back to a pure per-token cost through the mean
-            b, a = sy / sx, 0.0
-        self.a0, self.b0 = max(a, 0.0), b
+            b, a = sum(y for _, y in points) / sum(x for x, _ in points), 0.0
+        self.a0, self.b0, self.c0 = max(a, 0.0), b, c
         self._fitted = True
         self._first = []
 
-    def step_s(self, num_tokens: float) -> float:
-        return self.a + self.b * num_tokens
+    def step_s(self, num_tokens: float, rows: float = 1) -> float:
+        """The predicted time of a step of `num_tokens` tokens and `rows` head rows."""
+        return self.level * self._shape(num_tokens, rows)
+
+    def _shape(self, num_tokens: float, rows: float) -> float:
+        tokens = self._pad(num_tokens, self.token_buckets)
+        return self.a0 + self.b0 * tokens + self.c0 * self._pad(rows, self.row_buckets)
+
+    @staticmethod
+    def _pad(n: float, buckets: tuple[int, ...]) -> float:
+        """The bucket `n` runs as (itself past the last bucket, or when there are none)."""
+        i = bisect_left(buckets, n)
+        return buckets[i] if i < len(buckets) and n > 0 else n
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of y on x."""
+    n = len(points)
+    sx = sum(x for x, _ in points)
+    sy = sum(y for _, y in points)
+    sxx = sum(x * x for x, _ in points)
+    sxy = sum(x * y for x, y in points)
+    den = n * sxx - sx * sx
+    return (n * sxy - sx * sy) / den if den > 0 else 0.0
 
 
 def _quantile_sorted(ordered: list[float], q: float) -> float:

@@ -62,9 +62,10 @@ class EngineStats(msgspec.Struct):
     allocator: AllocatorStats = msgspec.field(default_factory=AllocatorStats)
 
 
-def warmup_step(t_s: float, step_s: float, num_tokens: int) -> StepStats:
-    """A warm-up forward published as a step: one sequence prefilling `num_tokens`."""
-    return StepStats(t_s, step_s, 1, num_tokens, 1, num_tokens, num_tokens, 0)
+def warmup_step(t_s: float, step_s: float, num_tokens: int, rows: int = 1) -> StepStats:
+    """A warm-up run published as a step: a forward over `num_tokens` with the head on one row,
+    or (`num_tokens` 0) the output head alone on `rows` rows."""
+    return StepStats(t_s, step_s, rows, num_tokens, rows, num_tokens, num_tokens, 0)
 
 
 STEP_EWMA = 0.2  # weight of the newest step in the published step-time / throughput averages

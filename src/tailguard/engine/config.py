@@ -49,13 +49,19 @@ class EngineConfig:
     model in fp32 on 2 cores."""
     max_model_len: int | None = None
     """Longest prompt + output; None: the model's max_position_embeddings."""
-    seq_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    """Sequence-count buckets; the last must be >= max_num_seqs."""
-    token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+    seq_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    """Sequence-count buckets (the output head runs on this many rows); the last must be >=
+    max_num_seqs. Steps of 1.5x between powers of two: a 36-sequence step padded to 64 rows
+    ran the head on 28 rows of nothing."""
+    token_buckets: tuple[int, ...] = (
+        1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024
+    )  # fmt: skip
     """Token-count buckets; the last must be >= max_num_batched_tokens. Small buckets matter:
     a decode step of S sequences runs every projection on T rows, and on CPU small-row
     matmuls cost about in proportion to the rows (oneDNN fp32, AVX2), so padding a batch-8
-    decode to 16 rows nearly doubled its matmul time (docs/benchmarks.md, issue 12)."""
+    decode to 16 rows nearly doubled its matmul time (docs/benchmarks.md, issue 12). Above 32
+    the steps are 1.5x: on CPU a forward costs about in proportion to its tokens, so a power
+    of two wastes up to half a step (measured: 258 prefill + decode tokens ran as 512)."""
     threads: int = field(default_factory=default_engine_threads)
     """Intra-op threads in the engine process (every other process uses 1). Default: the cores
     available less one, which the HTTP front end needs under load."""

@@ -49,8 +49,8 @@ class EngineCore:
         if self.config.warmup:
             # warm-up forwards are real steps of known size: publish them so admission control
             # starts calibrated (the first stats snapshot carries them)
-            for _seqs, tokens, secs in self.runner.warmup():
-                self.log.record(warmup_step(time.monotonic(), secs, tokens))
+            for rows, tokens, secs in self.runner.warmup():
+                self.log.record(warmup_step(time.monotonic(), secs, tokens, rows))
         gc.collect()
         gc.freeze()  # everything alive now (model, pool) is never scanned again
         self.warmup_done = True

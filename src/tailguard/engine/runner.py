@@ -155,8 +155,8 @@ class ModelRunner:
         head per sequence bucket, and (CUDA) every attention group shape alone (one layer's op,
         the same in every layer), so the allocator's high-water mark is reached before the
         first request; on CPU the attention shapes are declared, not run (buckets.py). Returns
-        (sequences, tokens, seconds) of each token bucket's forward: a first calibration of
-        step cost."""
+        (rows, tokens, seconds) of each token bucket's forward (one head row) and of the head
+        alone at each row bucket (0 tokens): a first calibration of step cost."""
         timings = []
         for num_tokens in self.config.token_buckets:
             t0 = time.perf_counter()
@@ -167,7 +167,9 @@ class ModelRunner:
         )
         with torch.inference_mode():
             for rows in self.config.seq_buckets:
+                t0 = time.perf_counter()
                 self.model.compute_logits(hidden[:rows])
+                timings.append((rows, 0, time.perf_counter() - t0))
                 self.shapes.record([("logits", rows)])
             if self.device.type == "cuda":  # pragma: no cover - needs a GPU
                 for key in self._attention_shapes():

@@ -183,8 +183,7 @@ class App:
                     s, ready=self.engine.ready, restarts=self.engine.restarts
                 )
                 for step in new:
-                    self.admission.cost.observe(step.num_tokens, step.step_s)
-                    self.admission.step_ended(step.t_s)
+                    self.admission.observe_step(step)
                 self.admission.cost.refit()
                 self.admission.refresh(time.monotonic())
                 self.metrics.in_flight.set(self.admission.queued_requests)
@@ -302,6 +301,7 @@ class App:
             self.metrics.calibration_now(single_pass, cal, EDGES_S)
         self.metrics.step_cost.labels("a").set(self.admission.cost.a)
         self.metrics.step_cost.labels("b").set(self.admission.cost.b)
+        self.metrics.step_cost.labels("c").set(self.admission.cost.c)
         self.metrics.expected_misses.set(self.admission.expected_miss_share)
         call.respond(200, self.metrics.render(), [(b"content-type", CONTENT_TYPE.encode())])
 

@@ -110,6 +110,10 @@ class ServerConfig:
     """The largest chance of missing its deadline one admitted request may carry while the
     recent admissions leave room in the miss budget (0 to 0.25; 0: plan every request for
     admission_quantile)."""
+    admission_step_cost: str = "rows"
+    """How admission prices an engine step: rows (a + b * tokens + c * head rows, at the
+    engine's padded bucket sizes) or tokens (a + b * tokens, unpadded: the model before
+    session 20, kept to compare)."""
     cache_max_entries: int = 10_000
     """Degradation cache: most responses kept (0 disables the cache)."""
     cache_max_bytes: int = 64 * 1024 * 1024
@@ -253,10 +257,13 @@ class ServerConfig:
             max_queued_tokens=self.max_queued_tokens,
             max_num_batched_tokens=e.max_num_batched_tokens,
             max_num_seqs=e.max_num_seqs,
+            token_buckets=e.token_buckets,
+            row_buckets=e.seq_buckets,
             batch_share=self.batch_share,
             enabled=self.admission == "on",
             target_quantile=self.admission_quantile,
             max_request_risk=self.admission_max_request_risk,
+            step_cost=self.admission_step_cost,
         )
 
     @property

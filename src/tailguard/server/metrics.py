@@ -212,8 +212,8 @@ REGISTERED: tuple[MetricSpec, ...] = (
         "step_cost",
         Gauge,
         "tailguard_admission_step_cost_seconds",
-        "Admission's fit of the engine step time, a + b * tokens: term a (s per step) and b "
-        "(s per token)",
+        "Admission's fit of the engine step time, a + b * tokens + c * rows (padded sizes): term "
+        "a (s per step), b (s per token) and c (s per output-head row)",
         ("term",),
         None,
     ),
