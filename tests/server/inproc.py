@@ -98,11 +98,16 @@ def make_config(**kw: Any) -> ServerConfig:
 
 @contextlib.asynccontextmanager
 async def running_app(**kw: Any) -> Any:
-    """An app whose engine is started and warm (lifespan startup done)."""
-    app = build_app(make_config(**kw))
+    """An app whose engine is started and warm (lifespan startup done) and, with the simulated
+    engine (which publishes its warm-up steps), whose admission has fitted its step cost."""
+    cfg = make_config(**kw)
+    app = build_app(cfg)
     await app.startup()
+    fitted = cfg.engine != "simulated" or cfg.admission != "on"
     try:
-        await until(lambda: app.engine.ready, READY_TIMEOUT_S)
+        await until(
+            lambda: app.engine.ready and (fitted or app.admission.cost.fitted), READY_TIMEOUT_S
+        )
     except AssertionError:
         await app.shutdown()
         raise AssertionError(f"the engine never became ready within {READY_TIMEOUT_S} s") from None

@@ -236,7 +236,7 @@ async def test_queued_past_deadline_is_504_and_never_executed() -> None:
 
 async def test_interactive_is_admitted_while_batch_is_turned_away() -> None:
     async with running_app(
-        simulated_tokens_per_s=2000.0, max_queued_requests=20, batch_share=0.5
+        simulated_tokens_per_s=4000.0, max_queued_requests=20, batch_share=0.5
     ) as app:
         batch = [
             asyncio.ensure_future(
@@ -431,7 +431,8 @@ async def test_a_request_that_waited_out_its_deadline_before_parsing_is_turned_a
 
 
 async def test_a_saturated_server_turns_requests_away_before_tokenizing_or_serves_cache() -> None:
-    async with running_app(max_queued_requests=1, simulated_tokens_per_s=200.0) as app:
+    # 400 tokens/s: the first chat (32 tokens at its bucket) is answered within its 150 ms
+    async with running_app(max_queued_requests=1, simulated_tokens_per_s=400.0) as app:
         tok = app.model.tokenizer
         seen: list[str] = []
         encode, template = tok.encode, tok.apply_chat_template
@@ -448,7 +449,8 @@ async def test_a_saturated_server_turns_requests_away_before_tokenizing_or_serve
         tok.encode = spy_encode  # type: ignore[method-assign]
         tok.apply_chat_template = spy_template  # type: ignore[method-assign]
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
-        assert (await request(app, "POST", "/v1/chat/completions", chat)).status == 200
+        first = await request(app, "POST", "/v1/chat/completions", chat)
+        assert first.status == 200, first.body
         assert seen == ["hi"]  # answered, and now in the cache
         hold = {"prompt": "hold", "max_tokens": 50, "timeout": 30}
         held = asyncio.ensure_future(request(app, "POST", "/v1/completions", hold))

@@ -63,6 +63,11 @@ class StepCostModel:
         self._fitted = False
 
     @property
+    def fitted(self) -> bool:
+        """Whether the shape has been fitted (until then the prior's shape prices steps)."""
+        return self._fitted
+
+    @property
     def a(self) -> float:
         return self.a0 * self.level
 

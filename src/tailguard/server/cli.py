@@ -80,6 +80,8 @@ def make_engine(cfg: ServerConfig) -> EngineClientProtocol:
             max_model_len=e.max_model_len or 4096,
             num_kv_blocks=cfg.simulated_kv_blocks or None,
             max_restarts=e.max_restarts,
+            token_buckets=e.token_buckets,
+            seq_buckets=e.seq_buckets,
         )
     try:
         from tailguard.engine.client import EngineClient

@@ -2,10 +2,11 @@
 
 The engine that ships (tailguard.core.scheduler: priorities, earliest deadline first, chunked
 prefill, KV blocks, preemption, expiry) runs here in the server's event loop; only the model is
-replaced: a step of N tokens costs `step_overhead_s + N / tokens_per_s` seconds (asyncio.sleep)
-and produces deterministic tokens and embeddings (tailguard.server.stub). Outputs reach their
-handlers through the same RequestRouter as the real engine client's. So every in-process server
-test exercises the scheduler that ships, in milliseconds and without torch.
+replaced: a step of N tokens costs `step_overhead_s + P / tokens_per_s` seconds (asyncio.sleep),
+P being N padded up to the engine's token buckets as the real forward pads it, and produces
+deterministic tokens and embeddings (tailguard.server.stub). Outputs reach their handlers
+through the same RequestRouter as the real engine client's. So every in-process server test
+exercises the scheduler that ships, in milliseconds and without torch.
 
 `crash()` makes it behave like a dead engine process (in-flight requests fail with
 EngineUnavailableError, not ready) until it restarts itself after `restart_delay_s`, at most
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import math
 import time
+from bisect import bisect_left
 
 from tailguard.core.block_pool import BlockPool
 from tailguard.core.request import EngineRequest, RequestKind
@@ -47,6 +49,8 @@ class SimulatedEngineClient(RoutedClient):
         max_restarts: int = 3,
         restart_delay_s: float = 0.2,
         warmup_s: float = 0.05,
+        token_buckets: tuple[int, ...] = (),
+        seq_buckets: tuple[int, ...] = (),
     ) -> None:
         self.tokens_per_s = tokens_per_s  # the step cost's b = 1 / tokens_per_s
         self.step_overhead_s = step_overhead_s  # the step cost's a
@@ -60,6 +64,7 @@ class SimulatedEngineClient(RoutedClient):
         self.max_restarts = max_restarts
         self.restart_delay_s = restart_delay_s
         self.warmup_s = warmup_s
+        self.token_buckets, self.seq_buckets = token_buckets, seq_buckets
         self.scheduler = self._new_scheduler()
         self._router = RequestRouter(self._add, self._abort)
         self._wake = asyncio.Event()
@@ -84,11 +89,13 @@ class SimulatedEngineClient(RoutedClient):
         await asyncio.sleep(self.warmup_s)
         t = time.monotonic()
         for i, n in enumerate((16, 64, 256, self.max_num_batched_tokens)):
-            self.log.record(
-                warmup_step(t + i * 1e-6, self.step_overhead_s + n / self.tokens_per_s, n)
-            )
+            self.log.record(warmup_step(t + i * 1e-6, self.step_overhead_s + self._padded_s(n), n))
         self._ready = True
         self._task = asyncio.create_task(self._loop(), name="simulated-engine")
+
+    def _padded_s(self, num_tokens: int) -> float:
+        """The forward's time for `num_tokens`, run at their token bucket."""
+        return _pad(num_tokens, self.token_buckets) / self.tokens_per_s
 
     async def close(self) -> None:
         self._ready = False
@@ -158,7 +165,7 @@ class SimulatedEngineClient(RoutedClient):
             t0 = time.monotonic()
             plan = sched.schedule(t0)
             if plan.scheduled:
-                await asyncio.sleep(self.step_overhead_s + plan.num_tokens / self.tokens_per_s)
+                await asyncio.sleep(self.step_overhead_s + self._padded_s(plan.num_tokens))
             elif not plan.finished:
                 await asyncio.sleep(0.001)  # work that cannot run yet (no blocks): wait
                 continue
@@ -177,12 +184,18 @@ class SimulatedEngineClient(RoutedClient):
                 step_s=step_s,
                 num_seqs=seqs,
                 num_tokens=tokens,
-                padded_seqs=seqs,
-                padded_tokens=tokens,
+                padded_seqs=_pad(seqs, self.seq_buckets),
+                padded_tokens=_pad(tokens, self.token_buckets),
                 num_prefill_tokens=tokens - decode,
                 num_decode_tokens=decode,
             )
         )
+
+
+def _pad(n: int, buckets: tuple[int, ...]) -> int:
+    """The bucket `n` runs as (itself past the last bucket, or when there are none)."""
+    i = bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else n
 
 
 def _fake_results(plan: SchedulerOutput) -> list[SeqResult]:
