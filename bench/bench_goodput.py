@@ -42,6 +42,7 @@ import aiohttp
 from bench_batch import _run, run_tailguard
 from tailguard.tools.batch.report import percentile
 from tailguard.tools.lab.procs import free_port, serving
+from tailguard.tools.load.server_metrics import HistogramSnapshot, scrape
 
 WORDS = (  # noqa: SIM905 (a sentence reads better than 41 quoted words)
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
@@ -94,11 +95,13 @@ class Sample:
     status: int  # 0: connection error or timeout
     latency_s: float  # intended send -> deadline event (answer, or first streamed bytes)
     done_s: float  # monotonic time the deadline event happened
+    send_lag_s: float = 0.0  # intended send -> the client's task started sending (its own lag)
 
 
 async def _send(
     s: aiohttp.ClientSession, url: str, body: bytes, stream: bool, t0: float, out: list[Sample]
 ) -> None:
+    lag = time.monotonic() - t0
     try:
         async with s.post(url, data=body, headers=HEADERS) as r:
             if stream and r.status == 200:
@@ -108,10 +111,10 @@ async def _send(
             else:
                 await r.read()
                 t_event = time.monotonic()
-            out.append(Sample(r.status, t_event - t0, t_event))
+            out.append(Sample(r.status, t_event - t0, t_event, lag))
     except (aiohttp.ClientError, TimeoutError, OSError):
         t = time.monotonic()
-        out.append(Sample(0, t - t0, t))
+        out.append(Sample(0, t - t0, t, lag))
 
 
 def _session() -> aiohttp.ClientSession:
@@ -210,6 +213,14 @@ class OpenLevel:
     admitted_p99_ms: float
     refusal_p99_ms: float
     target_goodput: float = 0.0
+    # the server's own view of the level: admitted requests' actual / planned time (the
+    # calibrated bound), as bucket upper bounds of its histogram's p50 / p90 / p99
+    ratio_p50: float = math.nan
+    ratio_p90: float = math.nan
+    ratio_p99: float = math.nan
+    send_lag_p99_ms: float = math.nan  # the load client's own lag before sending
+    server_in_time: float = math.nan  # stream: share of the server's TTFT (read -> first token
+    # taken by the handler) within the SLA; the rest of the client's lateness is outside it
 
     @property
     def goodput_share(self) -> float:
@@ -256,22 +267,56 @@ async def open_loop(
         admitted_in_time=in_time,
         admitted_p99_ms=pct(ok, 99) * 1e3,
         refusal_p99_ms=pct(refused, 99) * 1e3,
+        send_lag_p99_ms=pct([x.send_lag_s for x in samples], 99) * 1e3,
     )
 
 
 # ---- report -----------------------------------------------------------------------------------
+PREDICTION_RATIO = "tailguard_admission_prediction_ratio"
+SERVER_TTFT = "tailguard_time_to_first_token_seconds"
+
+
+def ratio_quantiles(
+    before: HistogramSnapshot, after: HistogramSnapshot, qs: tuple[float, ...] = (0.5, 0.9, 0.99)
+) -> list[float]:
+    """Upper bounds of the buckets holding each quantile of the level's own samples (after -
+    before): "p99 <= 0.75" says admission planned for at least 1.33x what its admitted requests
+    took (it refused work that fitted); above 1, it was optimistic."""
+    n = after.count - before.count
+    if n <= 0 or after.error or before.error:
+        return [math.nan for _ in qs]
+    bounds = sorted(after.buckets)
+    cum = [after.buckets[b] - before.buckets.get(b, 0.0) for b in bounds]
+    return [next(b for b, c in zip(bounds, cum, strict=True) if c >= q * n) for q in qs]
+
+
+async def measured_level(
+    base: str, w: Workload, rate: float, seconds: float, sla_s: float, seed: int
+) -> OpenLevel:
+    """`open_loop`, with the server's prediction-ratio histogram scraped around it."""
+    url = base + "/metrics"
+    before, ttft0 = await scrape(url, PREDICTION_RATIO), await scrape(url, SERVER_TTFT)
+    lv = await open_loop(base, w, rate, seconds, sla_s, seed)
+    after, ttft1 = await scrape(url, PREDICTION_RATIO), await scrape(url, SERVER_TTFT)
+    lv.ratio_p50, lv.ratio_p90, lv.ratio_p99 = ratio_quantiles(before, after)
+    n = ttft1.count - ttft0.count
+    if w.stream and n > 0 and sla_s in ttft1.buckets:
+        lv.server_in_time = (ttft1.buckets[sla_s] - ttft0.buckets.get(sla_s, 0.0)) / n
+    return lv
+
+
 def print_levels(w: Workload, oracle: float, levels: list[OpenLevel]) -> None:
     print(f"  {w.name}: oracle {oracle:.1f}/s")
     print(
         "    factor  offered/s  goodput/s  target/s  share   refused  admitted  in time  "
-        "adm p99 ms  refusal p99 ms  errors"
+        "adm p99 ms  refusal p99 ms  errors  actual/planned p50 p90 p99"
     )
     for lv in levels:
         print(
             f"    {lv.factor:5.1f}x  {lv.offered:9.1f}  {lv.goodput:9.1f}  {lv.target_goodput:8.1f}"
             f"  {lv.goodput_share:5.2f}  {lv.refused / lv.sent:7.1%}  {lv.admitted:8d}"
             f"  {lv.in_time_share:7.2%}  {lv.admitted_p99_ms:10.1f}  {lv.refusal_p99_ms:14.1f}"
-            f"  {lv.errors:6d}"
+            f"  {lv.errors:6d}  {lv.ratio_p50:5.2f} {lv.ratio_p90:5.2f} {lv.ratio_p99:5.2f}"
         )
 
 
@@ -373,13 +418,16 @@ def main() -> int:
             for f in factors:
                 rate = max(1.0, f * oracles[w.name])
                 for v, base in bases.items():
-                    lv = _run(open_loop(base, w, rate, a.level_s, sla_s, seed=int(f * 100)))
+                    lv = _run(measured_level(base, w, rate, a.level_s, sla_s, int(f * 100)))
                     lv.factor = f
                     lv.target_goodput = min(lv.offered, oracles[w.name])
                     results[v].setdefault(w.name, []).append(lv)
                     print(
                         f"    {v} {w.name} {f:g}x: offered {lv.offered:.0f}/s goodput "
-                        f"{lv.goodput:.0f}/s refused {lv.refused}/{lv.sent}",
+                        f"{lv.goodput:.0f}/s refused {lv.refused}/{lv.sent}, actual/planned "
+                        f"p50 {lv.ratio_p50:g} p90 {lv.ratio_p90:g} p99 {lv.ratio_p99:g}"
+                        + (f", server TTFT in time {lv.server_in_time:.2%}" * w.stream)
+                        + f", client send lag p99 {lv.send_lag_p99_ms:.1f} ms",
                         flush=True,
                     )
                     time.sleep(a.gap_s)
