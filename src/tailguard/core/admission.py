@@ -29,10 +29,9 @@ The prediction (a fluid model of the scheduler in core/scheduler.py)
         bound  = calibrated(engine) + front-end delay
 
     `cost(tokens, rows) = a + b * tokens + c * rows` at the engine's padded bucket sizes is the
-    step-cost fit (`StepCostModel`); R is the requests waiting ahead. W, G and R count only the
-    prompts admitted after the running step began (and what overflows its budget or slots): the
-    ones before are in that step, and its generations hold slots (D) from the next step on.
-    `calibrated` adds the measured error
+    step-cost fit (`StepCostModel`); R is the requests waiting ahead. W, G and R count only the prompts admitted after the running
+    step began (and what overflows its budget or slots): the ones before are in that step, and
+    its generations hold slots (D) from the next step on. `calibrated` adds the measured error
     of past predictions of the same size at the target quantile (`Calibration`, per kind).
     The front-end delay is what the HTTP process itself adds after the engine answered (its
     event-loop lag, the time answers took from the engine client to their handler).
