@@ -23,15 +23,10 @@ The prediction (a fluid model of the scheduler in core/scheduler.py)
                      slot steps)                         ceil(n / free slots), or, when the
                                                          slots are all held, the steps until
                                                          enough decodes finish
-        engine = steps * cost(D + (W + P) / steps,       each step at its padded sizes
-                              D + (R + 1) / steps)       (tokens, head rows)
-                 + what is left of the step running now
+        engine = steps * (a + b * D) + b * (W + P)       + the step running now
         bound  = calibrated(engine) + front-end delay
 
-    `cost(tokens, rows) = a + b * tokens + c * rows` at the engine's padded bucket sizes is the
-    step-cost fit (`StepCostModel`); R is the requests waiting ahead. W, G and R count only the prompts admitted after the running
-    step began (and what overflows its budget or slots): the ones before are in that step, and
-    its generations hold slots (D) from the next step on. `calibrated` adds the measured error
+    `a + b * tokens` is the step-cost fit (`StepCostModel`). `calibrated` adds the measured error
     of past predictions of the same size at the target quantile (`Calibration`, per kind).
     The front-end delay is what the HTTP process itself adds after the engine answered (its
     event-loop lag, the time answers took from the engine client to their handler).
@@ -73,7 +68,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -115,11 +109,6 @@ class AdmissionConfig:
     step_cost: str = "rows"
     """rows: a step costs a + b * tokens + c * head rows at the padded sizes; tokens: a + b *
     tokens, unpadded (the previous model, kept to compare)."""
-    running_step: str = "apart"
-    """apart: the prompts admitted before the engine's running step began are in that step
-    (priced as its remaining time), and only later ones, with what overflows the step's budget,
-    queue ahead of a new request; ahead: every waiting prompt counts both in the running step
-    and ahead (the previous model, kept to compare)."""
     batch_share: float = 0.8
     """Share of the caps batch-priority work may fill; the rest is kept for interactive work."""
     target_quantile: float = 0.99
@@ -164,10 +153,6 @@ class AdmissionConfig:
         need(
             self.step_cost in ("rows", "tokens"),
             f"step_cost={self.step_cost!r}: use rows or tokens",
-        )
-        need(
-            self.running_step in ("apart", "ahead"),
-            f"running_step={self.running_step!r}: use apart or ahead",
         )
         need(0.0 < self.batch_share <= 1.0, f"batch_share={self.batch_share}: in (0, 1]")
         need(
@@ -239,7 +224,6 @@ class WorkItem:
     single_pass: bool
     decided_s: float  # monotonic: when it was admitted (the prediction's origin)
     engine_s: float  # the raw (uncalibrated) prediction of its deadline event, from decided_s
-    fresh: bool = False  # waiting, and admitted after the engine's running step began
 
 
 @dataclass(slots=True)  # not frozen: a frozen init costs ~1 us, on every request
@@ -271,35 +255,6 @@ class _Waiting:
     generation_outputs: int = 0  # output tokens of those generations
 
 
-def _add(
-    both: _Waiting, interactive_only: _Waiting, interactive: bool, item: WorkItem, sign: int
-) -> None:
-    gen = 0 if item.single_pass else sign
-    for w in (both, interactive_only) if interactive else (both,):
-        w.requests += sign
-        w.tokens += sign * item.prompt_tokens
-        w.generations += gen
-        w.generation_outputs += gen * item.output_tokens
-
-
-def _minus(a: _Waiting, b: _Waiting) -> _Waiting:
-    return _Waiting(
-        a.requests - b.requests,
-        a.tokens - b.tokens,
-        a.generations - b.generations,
-        a.generation_outputs - b.generation_outputs,
-    )
-
-
-def _plus(a: _Waiting, b: _Waiting) -> _Waiting:
-    return _Waiting(
-        a.requests + b.requests,
-        a.tokens + b.tokens,
-        a.generations + b.generations,
-        a.generation_outputs + b.generation_outputs,
-    )
-
-
 @dataclass
 class AdmissionController:
     """The ledger of admitted work plus the admit/refuse decision."""
@@ -326,10 +281,6 @@ class AdmissionController:
         self._decoding: dict[str, WorkItem] = {}  # generations past their prefill
         self._waiting_all = _Waiting()
         self._waiting_interactive = _Waiting()
-        # the part of each admitted after the running step began (not in it), oldest first
-        self._fresh_all = _Waiting()
-        self._fresh_interactive = _Waiting()
-        self._fresh: deque[WorkItem] = deque()
         self._queued_tokens = 0  # prompt + remaining output over the whole ledger
         self._step_start_s = 0.0  # monotonic: when the engine's current step began (estimated)
         ladder = self.calibration[True].ladder
@@ -351,32 +302,20 @@ class AdmissionController:
         return len(self._decoding)
 
     def _waiting(self, item: WorkItem, sign: int) -> None:
-        interactive = item.priority == Priority.INTERACTIVE
-        _add(self._waiting_all, self._waiting_interactive, interactive, item, sign)
-        if item.fresh:
-            _add(self._fresh_all, self._fresh_interactive, interactive, item, sign)
-        if sign < 0:
-            item.fresh = False
-
-    def _start_fresh(self, t_s: float) -> None:
-        """A step began at `t_s`: the waiting requests admitted before then are in it."""
-        fresh = self._fresh
-        while fresh and fresh[0].decided_s <= t_s:
-            item = fresh.popleft()
-            if item.fresh:  # still waiting (else it left, and its share went with it)
-                _add(
-                    self._fresh_all,
-                    self._fresh_interactive,
-                    item.priority == Priority.INTERACTIVE,
-                    item,
-                    -1,
-                )
-                item.fresh = False
+        gen = 0 if item.single_pass else sign
+        for w in (
+            (self._waiting_all, self._waiting_interactive)
+            if item.priority == Priority.INTERACTIVE
+            else (self._waiting_all,)
+        ):
+            w.requests += sign
+            w.tokens += sign * item.prompt_tokens
+            w.generations += gen
+            w.generation_outputs += gen * item.output_tokens
 
     def step_ended(self, t_s: float) -> None:
         """The engine reported a step that ended at `t_s` (monotonic): the next one began then."""
         self._step_start_s = max(self._step_start_s, t_s)
-        self._start_fresh(self._step_start_s)
 
     def observe_step(self, step: StepStats) -> None:
         """One engine step (or warm-up run) reported: the step-cost fit learns from it, and the
@@ -390,13 +329,6 @@ class AdmissionController:
     def _enter(self, rid: str, item: WorkItem) -> None:
         if not self._items:  # an idle engine starts a step for this one now
             self._step_start_s = max(self._step_start_s, item.decided_s)
-            self._start_fresh(self._step_start_s)
-        # not in the running step (an idle engine's new step takes it: in that step)
-        item.fresh = self.config.running_step == "apart" and item.decided_s > self._step_start_s
-        if item.fresh:
-            self._fresh.append(item)
-            if len(self._fresh) > 2 * len(self._items) + 64:  # no step reported for a while
-                self._fresh = deque(it for it in self._fresh if it.fresh)
         self._items[rid] = item
         self._pending[rid] = item
         self._waiting(item, +1)
@@ -464,11 +396,8 @@ class AdmissionController:
         docstring."""
         cfg = self.config
         budget, slots = cfg.max_num_batched_tokens, cfg.max_num_seqs
-        held = min(len(self._decoding), slots)
-        running = self._running_step(held) if self._items else None
         ahead = self._waiting_interactive if interactive else self._waiting_all
-        if running is not None and cfg.running_step == "apart":
-            ahead, held = self._after_running(interactive, held, running)
+        held = min(len(self._decoding), slots)
         tokens = ahead.tokens + prompt_tokens
         steps = math.ceil(tokens / (budget - held))
         # slots left once the waiting generations hold theirs
@@ -482,51 +411,13 @@ class AdmissionController:
         per_tokens = min(budget, held + tokens / steps)
         per_rows = min(slots, held + (ahead.requests + 1) / steps)
         t = steps * self.cost.step_s(per_tokens, per_rows)
-        if running is not None:  # a step is running: ours starts after what is left of it
-            step = self.cost.step_s(running.tokens, running.requests)
-            t += max(step - (now_s - self._step_start_s), 0.0)
+        if self._items:  # a step is running: ours starts after what is left of it
+            running = self.cost.step_s(
+                min(budget, held + self._waiting_all.tokens),
+                min(slots, held + self._waiting_all.requests),
+            )
+            t += max(running - (now_s - self._step_start_s), 0.0)
         return t
-
-    def _running_step(self, held: int) -> _Waiting:
-        """The step running now, as (sequences, tokens): the held decodes plus the prompts
-        admitted before it began, up to its token budget and slots. With `running_step`
-        "ahead", every waiting prompt (the previous model)."""
-        cfg = self.config
-        started = self._waiting_all
-        if cfg.running_step == "apart":
-            started = _minus(started, self._fresh_all)
-        return _Waiting(
-            requests=min(cfg.max_num_seqs, held + started.requests),
-            tokens=min(cfg.max_num_batched_tokens, held + started.tokens),
-        )
-
-    def _after_running(
-        self, interactive: bool, held: int, running: _Waiting
-    ) -> tuple[_Waiting, int]:
-        """(what waits ahead of a new request once the running step is done, the decodes held
-        then): the prompts admitted after the step began, plus the started ones that overflow
-        its budget; the generations it prefills hold a slot from the next step on."""
-        waiting = self._waiting_interactive if interactive else self._waiting_all
-        fresh = self._fresh_interactive if interactive else self._fresh_all
-        started = _minus(waiting, fresh)
-        # the prompt tokens and sequence slots the running step has for them
-        left_tokens = max(started.tokens - max(running.tokens - held, 0), 0)
-        left_requests = max(started.requests - max(running.requests - held, 0), 0)
-        if left_tokens == 0 and left_requests == 0:  # all of them complete in the running step
-            return fresh, min(held + started.generations, self.config.max_num_seqs)
-        # the rest go on, counted ahead in proportion
-        share = max(
-            left_tokens / started.tokens if started.tokens else 0.0,
-            left_requests / started.requests if started.requests else 0.0,
-        )
-        carried = _Waiting(
-            math.ceil(started.requests * share),
-            math.ceil(started.tokens * share),
-            math.ceil(started.generations * share),
-            math.ceil(started.generation_outputs * share),
-        )
-        done = started.generations - carried.generations
-        return _plus(fresh, carried), min(held + done, self.config.max_num_seqs)
 
     def _steps_until_freed(self, k: int) -> int:
         """Decode steps until `k` held batch slots are freed (by remaining output tokens; a

@@ -114,11 +114,6 @@ class ServerConfig:
     """How admission prices an engine step: rows (a + b * tokens + c * head rows, at the
     engine's padded bucket sizes) or tokens (a + b * tokens, unpadded: the model before
     session 20, kept to compare)."""
-    admission_running_step: str = "apart"
-    """How admission counts the prompts the engine's running step is prefilling: apart (those
-    admitted before the step began are in it, priced as its remaining time; only later ones
-    wait ahead of a new request) or ahead (every waiting prompt counts in the running step and
-    ahead again: the model before session 21, kept to compare)."""
     cache_max_entries: int = 10_000
     """Degradation cache: most responses kept (0 disables the cache)."""
     cache_max_bytes: int = 64 * 1024 * 1024
@@ -269,7 +264,6 @@ class ServerConfig:
             target_quantile=self.admission_quantile,
             max_request_risk=self.admission_max_request_risk,
             step_cost=self.admission_step_cost,
-            running_step=self.admission_running_step,
         )
 
     @property
