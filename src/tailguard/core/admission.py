@@ -23,10 +23,16 @@ The prediction (a fluid model of the scheduler in core/scheduler.py)
                      slot steps)                         ceil(n / free slots), or, when the
                                                          slots are all held, the steps until
                                                          enough decodes finish
-        engine = steps * (a + b * D) + b * (W + P)       + the step running now
+        engine = steps * cost(D + (W + P) / steps,       each step at its padded sizes
+                              D + (R + 1) / steps)       (tokens, head rows; R: requests ahead)
+                 + what is left of the step running now
         bound  = calibrated(engine) + front-end delay
 
-    `a + b * tokens` is the step-cost fit (`StepCostModel`). `calibrated` adds the measured error
+    `cost(tokens, rows) = a + b * tokens + c * rows` at the engine's padded bucket sizes is the
+    step-cost fit (`StepCostModel`). The waiting prompts count both in the step running now and
+    ahead of the new request: counting the ones admitted before that step began in it only
+    measured worse (session 21, docs/benchmarks.md), the engine's real step start being unknown
+    here. `calibrated` adds the measured error
     of past predictions of the same size at the target quantile (`Calibration`, per kind).
     The front-end delay is what the HTTP process itself adds after the engine answered (its
     event-loop lag, the time answers took from the engine client to their handler).
