@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import random
 import sys
 import tempfile
@@ -362,6 +363,11 @@ def main() -> int:
         "default one (e.g. --baseline-arg=--admission-max-request-risk=0); ratios printed",
     )
     ap.add_argument(
+        "--baseline-src",
+        help="run the baseline server from this checkout's src/ (e.g. a git worktree of main): "
+        "an A/B of code, not of settings; combine with --baseline-arg or alone",
+    )
+    ap.add_argument(
         "--oracle",
         default="",
         help="skip the sweep and take these oracle rates (e.g. infer=89.5,complete1=80.8): "
@@ -384,7 +390,11 @@ def main() -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cmd = [*serve, "--port", str(port), *flags]
-        return serving(name, cmd, logs / f"{name}.log", url + "/ready"), url
+        env = None
+        if name == "baseline" and a.baseline_src:
+            src = str(Path(a.baseline_src).resolve())
+            env = {"PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+        return serving(name, cmd, logs / f"{name}.log", url + "/ready", env=env), url
 
     oracles: dict[str, float] = {}
     print(
@@ -403,12 +413,14 @@ def main() -> int:
             print(f"    oracle goodput {oracles[w.name]:.1f}/s", flush=True)
             time.sleep(a.gap_s)
 
-    variants = {"admission": []} | ({"baseline": a.baseline_arg} if a.baseline_arg else {})
+    ab = bool(a.baseline_arg or a.baseline_src)
+    variants = {"admission": []} | ({"baseline": a.baseline_arg} if ab else {})
     results: dict[str, dict[str, list[OpenLevel]]] = {v: {} for v in variants}
     batches: dict[str, Any] = {}
     print(f"2. default admission, open loop, {a.level_s:g} s per level", flush=True)
-    if a.baseline_arg:
-        print(f"   baseline: admission with {' '.join(a.baseline_arg)}, level by level beside it")
+    if ab:
+        what = " ".join([*a.baseline_arg, *([f"src {a.baseline_src}"] if a.baseline_src else [])])
+        print(f"   baseline: admission with {what}, level by level beside it")
     with contextlib.ExitStack() as stack:
         bases = {}
         for v, flags in variants.items():
@@ -465,7 +477,7 @@ def main() -> int:
             lines.append(tag + line)
         if v == "admission":
             ok = batch_ok and all(lv.met for lvs in results[v].values() for lv in lvs)
-    if a.baseline_arg:
+    if ab:
         for w in workloads:
             pairs = zip(results["admission"][w.name], results["baseline"][w.name], strict=True)
             for x, y in pairs:
