@@ -21,8 +21,16 @@ from torch import Tensor, nn
 
 from tailguard.model.batch import AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
+from tailguard.model.kernels import SmallMKernel
 
-__all__ = ["MistralModel", "PackedLinear", "allocate_kv_cache", "attention_mask", "can_prepack"]
+__all__ = [
+    "KernelLinear",
+    "MistralModel",
+    "PackedLinear",
+    "allocate_kv_cache",
+    "attention_mask",
+    "can_prepack",
+]
 
 KVCache = list[tuple[Tensor, Tensor]]
 
@@ -102,6 +110,37 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+class KernelLinear(nn.Module):
+    """A bias-free fp32 linear that runs our small-M kernel (kernels/gemv.c) on few rows and
+    oneDNN on many, dispatching on the rows at call time.
+
+    Why: at decode sizes (M = sequences of the step) oneDNN's fp32 kernel streams the weights
+    at about half the read bandwidth; the kernel reads the plain [out, in] weight at nearly the
+    full rate (docs/benchmarks.md, issue 12, session 21). Above `kernel.max_m` rows the matmul
+    is compute-bound and oneDNN is faster: with `packed` it gets its own blocked copy (a second
+    copy of the weight), else `F.linear` on the plain weight (oneDNN reorders it per call).
+    """
+
+    weight: Tensor  # [out, in] fp32, contiguous
+
+    def __init__(self, weight: Tensor, kernel: SmallMKernel, packed: bool) -> None:
+        super().__init__()
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        self.register_buffer("weight", weight.detach().contiguous(), persistent=False)
+        self.kernel = kernel
+        self.large = PackedLinear(self.weight) if packed else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kernel.applies(x, self.weight):
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            return self.kernel.linear(x, self.weight)
+        if self.large is not None:
+            return self.large(x)
+        return F.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -234,7 +273,7 @@ class MistralModel(nn.Module):
     def __init__(self, config: MistralConfig, max_seq_len: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self._head_packed: PackedLinear | None = None  # the output head after prepack()
+        self._head_packed: nn.Module | None = None  # the output head after prepack()
         # Initialised by hand and not on the meta device (the loader builds there and assigns
         # real tensors): normal_() on meta pulls in torch's Python reference kernels, a one-off
         # ~1-2 s import that would dominate loading a small model.
@@ -278,14 +317,26 @@ class MistralModel(nn.Module):
             x = layer(x, cos, sin, batch, masks, kv_cache)
         return self.norm(x)
 
-    def prepack(self) -> None:
-        """Replace every projection and the output head by oneDNN-packed weights (CPU).
+    def prepack(self, pack: bool = True, kernel: SmallMKernel | None = None) -> None:
+        """Replace every projection and the output head by faster linears (CPU inference).
 
-        Inference only, after loading: the plain weights are dropped, so `load_hf_weights`
-        and `state_dict` no longer apply. Idempotent; a no-op where packing does not exist.
+        pack: oneDNN-packed weights (`PackedLinear`). kernel: our small-M kernel for decode-
+        sized rows (`KernelLinear`, fp32 only), oneDNN above its row limit (from a packed
+        copy when `pack`, else from the plain weight). Inference only, after loading:
+        `load_hf_weights` and `state_dict` no longer apply. Idempotent; a no-op where neither
+        applies.
         """
-        if self._head_packed is not None or not can_prepack(self.dtype, self.device):
+        if kernel is not None and self.dtype != torch.float32:
+            kernel = None  # the kernel is fp32 only; the runner says so before calling
+        pack = pack and can_prepack(self.dtype, self.device)
+        if self._head_packed is not None or not (pack or kernel is not None):
             return
+
+        def make(weight: Tensor) -> nn.Module:
+            if kernel is not None:
+                return KernelLinear(weight, kernel, packed=pack)
+            return PackedLinear(weight)
+
         with torch.no_grad():
             for layer in self.layers:
                 for owner, name in (
@@ -295,10 +346,10 @@ class MistralModel(nn.Module):
                     (layer.mlp, "w2"),
                 ):
                     lin = getattr(owner, name)
-                    setattr(owner, name, PackedLinear(lin.weight))
+                    setattr(owner, name, make(lin.weight))
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self._head_packed = PackedLinear(head)
-            self.lm_head = None  # the plain head weight is dropped (tied: embedding stays)
+            self._head_packed = make(head)  # tied: KernelLinear reads the embedding itself
+            self.lm_head = None  # the plain head weight is dropped or moved
             self._head_t = None
 
     @property
