@@ -42,15 +42,16 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_kernel_matches_torch_on_every_block_edge(kernel: SmallMKernel, threads: int) -> None:
-    """M 1..16 (and beyond, in chunks of 8 rows), N around the 24-row thread unit and the
-    1-4-row register blocks, K around the vector width (4, 8, 16 lanes) with scalar tails."""
+    """M 1..16 and past the 12-row (AVX-512) / 6-row register chunks up to max_m, N around
+    the panel width (32 / 16 columns, the last panel zero-padded), odd K, 1-3 threads (more
+    threads than panels too)."""
     g = torch.Generator().manual_seed(threads)
-    for m in [*range(1, 17), 17, 24, 33]:
-        for n in (1, 3, 5, 23, 24, 25, 49, 97):
-            for k in (1, 7, 15, 16, 17, 33, 100):
+    for m in [*range(1, 17), 23, 24, 25, 37, kernel.max_m]:
+        for n in (1, 3, 15, 16, 17, 31, 32, 33, 65, 97):
+            for k in (1, 7, 16, 17, 33, 100):
                 x = torch.randn(m, k, generator=g)
                 w = torch.randn(n, k, generator=g)
-                got = kernel.linear(x, w, threads)
+                got = kernel.linear(x, kernel.pack(w), threads)
                 assert got.shape == (m, n) and got.dtype == torch.float32
                 _assert_close(got, _reference(x, w), f"M={m} N={n} K={k} threads={threads}")
 
@@ -60,20 +61,29 @@ def test_kernel_reads_row_strided_inputs_and_model_sized_shapes(kernel: SmallMKe
     wide = torch.randn(8, 300, generator=g)
     x = wide[:, 10:266]  # [8, 256] view, row stride 300: read in place
     w = torch.randn(1536, 256, generator=g)
-    _assert_close(kernel.linear(x, w), _reference(x, w), "strided x")
+    _assert_close(kernel.linear(x, kernel.pack(w)), _reference(x, w), "strided x")
     for m, n, k in ((8, 5632, 1024), (8, 1024, 2816), (1, 32000, 64), (16, 1536, 1024)):
         x = torch.randn(m, k, generator=g)
         w = torch.randn(n, k, generator=g)
-        _assert_close(kernel.linear(x, w), _reference(x, w), f"M={m} N={n} K={k}")
+        _assert_close(kernel.linear(x, kernel.pack(w)), _reference(x, w), f"M={m} N={n} K={k}")
+    w = torch.randn(40, 24, generator=g)
+    wt = w.t().contiguous().t()  # not contiguous: packed from a contiguous copy
+    x = torch.randn(3, 24, generator=g)
+    assert torch.equal(kernel.linear(x, kernel.pack(wt)), kernel.linear(x, kernel.pack(w)))
 
 
 def test_kernel_refuses_what_it_cannot_read(kernel: SmallMKernel) -> None:
-    w = torch.randn(8, 16)
-    with pytest.raises(ValueError, match="contiguous w"):
-        kernel.linear(torch.randn(2, 16), w.t().contiguous().t())
-    assert kernel.applies(torch.randn(16, 16), w)
-    assert not kernel.applies(torch.randn(17, 16), w)  # above max_m: oneDNN's rows
-    assert not kernel.applies(torch.randn(2, 16, dtype=torch.bfloat16), w)
+    w = kernel.pack(torch.randn(8, 16))
+    assert w.panels.shape == (1, 16, kernel.width) and w.nbytes == 16 * kernel.width * 4
+    with pytest.raises(ValueError, match="needs fp32 x"):
+        kernel.linear(torch.randn(2, 15), w)
+    with pytest.raises(ValueError, match="needs fp32 x"):
+        kernel.linear(torch.randn(2, 16, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="packs CPU fp32"):
+        kernel.pack(torch.randn(8, 16, dtype=torch.bfloat16))
+    assert kernel.applies(torch.randn(kernel.max_m, 16))
+    assert not kernel.applies(torch.randn(kernel.max_m + 1, 16))  # prefill rows: batched matmul
+    assert not kernel.applies(torch.randn(2, 16, dtype=torch.bfloat16))
 
 
 def _fake_compiler(folder: Path) -> Path:
@@ -106,7 +116,7 @@ def test_no_compiler_or_failed_build_falls_back_with_one_line(
 
 
 def _logits(model: MistralModel, prompts: list[list[int]]) -> torch.Tensor:
-    cache = PagedCache(model.config, num_blocks=32, block_size=4)
+    cache = PagedCache(model.config, num_blocks=80, block_size=4)
     _, logits, _ = cache.run(model, [[(i, p) for i, p in enumerate(prompts)]])
     return logits
 
@@ -125,20 +135,18 @@ def test_model_with_failed_kernel_is_exactly_the_onednn_model(tmp_path: Path) ->
 
 
 def test_model_with_kernel_matches_plain_model(kernel: SmallMKernel, tmp_path: Path) -> None:
-    """Every projection and the head on the kernel (decode-sized rows) or oneDNN (more rows):
-    logits within fp32 rounding of the unpacked model, both with and without a packed copy."""
+    """Every projection and the head on the kernel (decode-sized rows) or the batched matmul
+    over its panels (more rows): logits within fp32 rounding of the unpacked model."""
     folder = make_checkpoint(tmp_path / "ckpt")
     plain, _ = load_model(folder, dtype=torch.float32)
-    for rows in (3, 40):  # kernel rows, then oneDNN's (above max_m)
+    model, _ = load_model(folder, dtype=torch.float32)
+    model.prepack(kernel=kernel)
+    assert isinstance(model.layers[0].mlp.w13, KernelLinear)
+    assert model.lm_head is None
+    for rows in (3, 2 * kernel.max_m + 2):  # kernel rows, then the batched matmul's
         prompts = [[(7 * i + j) % 250 + 3 for j in range(rows // 2)] for i in range(2)]
-        want = _logits(plain, prompts)
-        for packed in (True, False):
-            model, _ = load_model(folder, dtype=torch.float32)
-            model.prepack(pack=packed, kernel=kernel)
-            assert isinstance(model.layers[0].mlp.w13, KernelLinear)
-            assert model.lm_head is None
-            got = _logits(model, prompts)
-            assert (got - want).abs().max().item() < 1e-4, (rows, packed)
+        err = (_logits(model, prompts) - _logits(plain, prompts)).abs().max().item()
+        assert err < 1e-4, rows
 
 
 def _greedy(config: EngineConfig, prompts: list[list[int]]) -> dict[str, list[int]]:

@@ -113,34 +113,35 @@ class PackedLinear(nn.Module):
 
 
 class KernelLinear(nn.Module):
-    """A bias-free fp32 linear that runs our small-M kernel (kernels/gemv.c) on few rows and
-    oneDNN on many, dispatching on the rows at call time.
+    """A bias-free fp32 linear on our own kernel's weight layout (kernels/gemv.c): the kernel
+    itself for up to `kernel.max_m` rows (decode steps, the head), torch's batched matmul
+    (MKL / oneDNN) over the same panels above that. One copy of the weight: the panels
+    replace the plain [out, in] weight.
 
-    Why: at decode sizes (M = sequences of the step) oneDNN's fp32 kernel streams the weights
-    at about half the read bandwidth; the kernel reads the plain [out, in] weight at nearly the
-    full rate (docs/benchmarks.md, issue 12, session 21). Above `kernel.max_m` rows the matmul
-    is compute-bound and oneDNN is faster: with `packed` it gets its own blocked copy (a second
-    copy of the weight), else `F.linear` on the plain weight (oneDNN reorders it per call).
+    Why: at decode sizes oneDNN's fp32 kernel streams the weights at 50-75% of the read
+    bandwidth; the kernel reaches about all of it up to 8 rows and beats oneDNN up to 64
+    (docs/benchmarks.md, issue 12, session 21). For more rows (prefill) the work is
+    compute-bound and a batched matmul over the panels ([M, K] x [K, 32] per panel) is as fast
+    as oneDNN's packed weights within a few percent.
     """
 
-    weight: Tensor  # [out, in] fp32, contiguous
-
-    def __init__(self, weight: Tensor, kernel: SmallMKernel, packed: bool) -> None:
+    def __init__(self, weight: Tensor, kernel: SmallMKernel) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
-        self.register_buffer("weight", weight.detach().contiguous(), persistent=False)
         self.kernel = kernel
-        self.large = PackedLinear(self.weight) if packed else None
+        self.weight = kernel.pack(weight)
+        self.register_buffer("panels", self.weight.panels, persistent=False)  # [N/P, K, P]
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernel.applies(x, self.weight):
+        if self.kernel.applies(x):
             if x.stride(-1) != 1:
                 x = x.contiguous()
             return self.kernel.linear(x, self.weight)
-        if self.large is not None:
-            return self.large(x)
-        return F.linear(x, self.weight)
+        m, n = x.shape[0], self.out_features
+        y = torch.matmul(x, self.panels)  # [N/P, M, P]
+        y = y.permute(1, 0, 2).reshape(m, -1)  # [M, N/P * P]
+        return y if y.shape[1] == n else y[:, :n].contiguous()
 
 
 class RMSNorm(nn.Module):
@@ -320,11 +321,11 @@ class MistralModel(nn.Module):
     def prepack(self, pack: bool = True, kernel: SmallMKernel | None = None) -> None:
         """Replace every projection and the output head by faster linears (CPU inference).
 
-        pack: oneDNN-packed weights (`PackedLinear`). kernel: our small-M kernel for decode-
-        sized rows (`KernelLinear`, fp32 only), oneDNN above its row limit (from a packed
-        copy when `pack`, else from the plain weight). Inference only, after loading:
-        `load_hf_weights` and `state_dict` no longer apply. Idempotent; a no-op where neither
-        applies.
+        kernel: our small-M kernel's layout (`KernelLinear`, fp32 only; the kernel for
+        decode-sized rows, a batched matmul over the same panels above). Else, with `pack`,
+        oneDNN-packed weights (`PackedLinear`). The plain weights are dropped (tied: the
+        embedding stays), so `load_hf_weights` and `state_dict` no longer apply. Inference
+        only, after loading; idempotent; a no-op where neither applies.
         """
         if kernel is not None and self.dtype != torch.float32:
             kernel = None  # the kernel is fp32 only; the runner says so before calling
@@ -333,9 +334,7 @@ class MistralModel(nn.Module):
             return
 
         def make(weight: Tensor) -> nn.Module:
-            if kernel is not None:
-                return KernelLinear(weight, kernel, packed=pack)
-            return PackedLinear(weight)
+            return PackedLinear(weight) if kernel is None else KernelLinear(weight, kernel)
 
         with torch.no_grad():
             for layer in self.layers:
@@ -348,7 +347,7 @@ class MistralModel(nn.Module):
                     lin = getattr(owner, name)
                     setattr(owner, name, make(lin.weight))
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self._head_packed = make(head)  # tied: KernelLinear reads the embedding itself
+            self._head_packed = make(head)
             self.lm_head = None  # the plain head weight is dropped or moved
             self._head_t = None
 

@@ -2,9 +2,16 @@
 
 from tailguard.model.kernels.small_m import (
     MAX_M,
+    PanelWeight,
     SmallMKernel,
     load_small_m_kernel,
     small_m_unavailable_reason,
 )
 
-__all__ = ["MAX_M", "SmallMKernel", "load_small_m_kernel", "small_m_unavailable_reason"]
+__all__ = [
+    "MAX_M",
+    "PanelWeight",
+    "SmallMKernel",
+    "load_small_m_kernel",
+    "small_m_unavailable_reason",
+]

@@ -1,143 +1,178 @@
 /* Small-M fp32 linear: y[M, N] = x[M, K] @ W[N, K]^T, for the decode step's few rows.
  *
- * Why our own: oneDNN's fp32 kernel at 8 rows is compute-bound per core and streams the
- * weights at about half the machine's read bandwidth (docs/benchmarks.md, issue 12). At small
- * M the product is a handful of dot products per weight row, so the kernel's one job is to
- * read every weight once, at the memory's rate, and spend as few instructions per weight
- * vector as possible.
+ * Why our own: at decode sizes the product is a few multiply-adds per weight, so the kernel's
+ * one job is to read every weight once, at the memory's rate, with as few instructions per
+ * weight vector as possible. oneDNN's fp32 kernel reaches about half the read bandwidth on
+ * the AVX2 EPYC and ~70% on the AVX-512 Xeon at 8 rows (docs/benchmarks.md, issue 12).
  *
- * Layout: the plain [N, K] row-major weight, as the checkpoint stores it (no second copy).
- * A block of R weight rows is streamed along K one vector at a time; each weight vector is
- * multiplied into MB rows of x (vectors that stay in L1), so R x MB accumulators live in
- * registers and each weight load feeds MB FMAs. R is chosen per MB so the accumulators, the
- * R weight vectors and one x vector fit the register file (AVX-512: 32, AVX2: 16). The
- * lanes of each accumulator are summed once at the end of the row. M above MB_MAX is done in
- * chunks of MB_MAX rows while the block's weight rows are still in L1/L2.
+ * Weight layout (tg_pack): panels of P = 2 vectors of output columns, each panel [K][P], i.e.
+ * W^T cut into column blocks of P, zero-padded to a whole panel. A panel is one sequential
+ * stream; at every k its P weights are two vector loads, and each is multiplied into MB rows
+ * of x broadcast from a scalar, so 2 x MB accumulators live in registers and a weight load
+ * feeds MB FMAs; x is transposed per call into chunks [K][MB] so those broadcasts read one
+ * contiguous line per 16 / MB values of k (a plain [N, K] weight pairs each weight vector
+ * with MB x vectors instead, and at 8 rows that x traffic made it compute/L2-bound: measured
+ * 19 GB/s vs 22 for oneDNN).
  *
- * Threads: the N rows are split into contiguous ranges, one per OpenMP thread (the caller
+ * Blocking: for each group of x chunks that fits in L2, every panel of the thread's range,
+ * and for each panel every chunk of the group while the panel is in L1/L2. At decode sizes
+ * there is one chunk and each weight is read exactly once.
+ *
+ * Threads: the panels are split into contiguous ranges, one per OpenMP thread (the caller
  * passes torch's thread count; torch's own libgomp serves the parallel region when this
  * library is loaded into a process that imported torch, so there is one thread pool).
  *
  * Written with GCC vector extensions so it compiles for whatever `-march=native` offers;
- * fused multiply-adds come from contraction (-ffp-contract=fast is GCC's default in GNU C).
+ * FMAs come from contraction (-ffp-contract=fast is GCC's default in GNU C).
  */
-#include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
 #define VBYTES 64
-#define NREG 32
+#define MB_MAX 12 /* 24 accumulators + 2 weights + broadcasts within 32 registers */
 #elif defined(__AVX__)
 #define VBYTES 32
-#define NREG 16
+#define MB_MAX 6 /* 12 + 2 + broadcasts within 16 */
 #else
 #define VBYTES 16
-#define NREG 16
+#define MB_MAX 6
 #endif
 #define VL (VBYTES / 4)
-#define MB_MAX 8
+#define P (2 * VL)
+#define L2_X_BYTES (512 * 1024) /* x chunks kept in L2 while the panels stream past */
+/* Software prefetch of the panel stream, PF_ROWS rows (8 KiB on AVX-512) ahead, into L2
+ * and L1 (locality 2). The hardware prefetchers alone left a core waiting on memory once it
+ * had FMAs to do per line: measured at 8 rows [8 x 1024] x [1024 x 5632], 2 threads, 18 ->
+ * 25-28 GB/s (1 row: 29 -> 31). Distances 16-256 rows measured alike; locality 0 (NTA) halved
+ * the rate where a second x chunk re-reads the panel. */
+#ifndef PF_ROWS
+#define PF_ROWS 64
+#endif
+#ifndef PF_LOC
+#define PF_LOC 2
+#endif
 
 typedef float vf __attribute__((vector_size(VBYTES)));
-typedef float vfu __attribute__((vector_size(VBYTES), aligned(4))); /* unaligned loads */
+typedef float vfu __attribute__((vector_size(VBYTES), aligned(4))); /* unaligned access */
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-ALWAYS_INLINE float hsum(vf v) {
-    float s = 0.0f;
-#pragma GCC unroll 16
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
-}
-
-/* rows n0 .. n0+R-1 of W against rows m0 .. m0+MB-1 of x; MB and R are constants at every
- * call site, so the loops unroll fully and acc[][] lives in registers. */
-ALWAYS_INLINE void block(const float *restrict x, long ldx, const float *restrict w, long K,
-                         float *restrict y, long ldy, long n0, const int MB, const int R) {
-    vf acc[4][MB_MAX];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-        for (int m = 0; m < MB; m++) acc[r][m] = (vf){0};
-    const float *wr = w + n0 * K;
-    long k = 0;
-    for (; k + VL <= K; k += VL) {
-        vf wv[4];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) wv[r] = *(const vfu *)(wr + r * K + k);
-#pragma GCC unroll 8
+/* One panel [K][P] against one x chunk [K][MB] (MB a constant at every call site, so the
+ * loops unroll and the accumulators stay in registers) into y[0..MB)[n0..n0+nvalid). */
+ALWAYS_INLINE void panel(const float *restrict xt, const float *restrict wp, long K,
+                         float *restrict y, long ldy, long n0, long nvalid, const int MB) {
+    vf a0[MB_MAX], a1[MB_MAX];
+#pragma GCC unroll 12
+    for (int m = 0; m < MB; m++) a0[m] = a1[m] = (vf){0};
+#pragma GCC unroll 2
+    for (long k = 0; k < K; k++) {
+        __builtin_prefetch(wp + (k + PF_ROWS) * P, 0, PF_LOC);
+        __builtin_prefetch(wp + (k + PF_ROWS) * P + P / 2, 0, PF_LOC);
+        const vf w0 = *(const vfu *)(wp + k * P);
+        const vf w1 = *(const vfu *)(wp + k * P + VL);
+#pragma GCC unroll 12
         for (int m = 0; m < MB; m++) {
-            vf xv = *(const vfu *)(x + m * ldx + k);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) acc[r][m] += wv[r] * xv;
+            const vf b = xt[k * MB + m] - (vf){0}; /* x - 0.0 == x: folds to a broadcast */
+            a0[m] += w0 * b;
+            a1[m] += w1 * b;
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
+    if (nvalid == P) {
+#pragma GCC unroll 12
         for (int m = 0; m < MB; m++) {
-            float s = hsum(acc[r][m]);
-            for (long kk = k; kk < K; kk++) s += wr[r * K + kk] * x[m * ldx + kk];
-            y[m * ldy + n0 + r] = s;
+            *(vfu *)(y + m * ldy + n0) = a0[m];
+            *(vfu *)(y + m * ldy + n0 + VL) = a1[m];
         }
+    } else {
+        for (int m = 0; m < MB; m++)
+            for (long j = 0; j < nvalid; j++)
+                y[m * ldy + n0 + j] = j < VL ? a0[m][j] : a1[m][j - VL];
+    }
 }
 
-/* Accumulators + weight vectors + one x vector within the register file, at most 4 rows. */
-#define R_FOR(MB) ((NREG - 2) / ((MB) + 1) > 4 ? 4 : ((NREG - 2) / ((MB) + 1) < 1 ? 1 : (NREG - 2) / ((MB) + 1)))
-
-/* rows [n_begin, n_end) of W against rows [0, M) of x, in chunks of MB_MAX rows of x. */
-#define DEFINE_ROWS(MB)                                                                        \
-    static void rows_##MB(const float *x, long ldx, const float *w, long K, float *y,          \
-                          long ldy, long n_begin, long n_end) {                                \
-        const int R = R_FOR(MB);                                                               \
-        long n = n_begin;                                                                      \
-        for (; n + R <= n_end; n += R) block(x, ldx, w, K, y, ldy, n, MB, R);                  \
-        for (; n < n_end; n++) block(x, ldx, w, K, y, ldy, n, MB, 1);                          \
+#define DEFINE_PANEL(MB)                                                                       \
+    static void panel_##MB(const float *xt, const float *wp, long K, float *y, long ldy,       \
+                           long n0, long nvalid) {                                             \
+        panel(xt, wp, K, y, ldy, n0, nvalid, MB);                                              \
     }
-DEFINE_ROWS(1)
-DEFINE_ROWS(2)
-DEFINE_ROWS(3)
-DEFINE_ROWS(4)
-DEFINE_ROWS(5)
-DEFINE_ROWS(6)
-DEFINE_ROWS(7)
-DEFINE_ROWS(8)
+DEFINE_PANEL(1)
+DEFINE_PANEL(2)
+DEFINE_PANEL(3)
+DEFINE_PANEL(4)
+DEFINE_PANEL(5)
+DEFINE_PANEL(6)
+#if MB_MAX > 6
+DEFINE_PANEL(7)
+DEFINE_PANEL(8)
+DEFINE_PANEL(9)
+DEFINE_PANEL(10)
+DEFINE_PANEL(11)
+DEFINE_PANEL(12)
+#endif
 
-typedef void (*rows_fn)(const float *, long, const float *, long, float *, long, long, long);
-static const rows_fn ROWS[MB_MAX + 1] = {
-    0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8,
+typedef void (*panel_fn)(const float *, const float *, long, float *, long, long, long);
+static const panel_fn PANELS[MB_MAX + 1] = {
+    0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6,
+#if MB_MAX > 6
+    panel_7, panel_8, panel_9, panel_10, panel_11, panel_12,
+#endif
 };
 
-/* One thread's rows: for each slab of weight rows, every chunk of x rows, so the slab is read
- * from memory once and from cache for the later chunks. A slab of 8 rows x K=2816 is 88 KiB:
- * within L2 while the chunks run. */
-static void thread_rows(const float *x, long ldx, const float *w, long K, float *y, long ldy,
-                        long M, long n_begin, long n_end) {
-    if (M <= MB_MAX) {
-        ROWS[M](x, ldx, w, K, y, ldy, n_begin, n_end);
-        return;
+int tg_panel_width(void) { return P; }
+
+/* wp[(n / P) * K * P + k * P + n % P] = w[n * K + k], zero-padded to whole panels: wp holds
+ * ceil(N / P) * K * P floats. */
+void tg_pack(const float *w, float *wp, long N, long K) {
+    long panels = (N + P - 1) / P;
+#pragma omp parallel for schedule(static)
+    for (long p = 0; p < panels; p++) {
+        float *dst = wp + p * K * P;
+        for (long k = 0; k < K; k++)
+            for (long j = 0; j < P; j++) {
+                long n = p * P + j;
+                dst[k * P + j] = n < N ? w[n * K + k] : 0.0f;
+            }
     }
-    const long SLAB = 24; /* a multiple of every R_FOR */
-    for (long s = n_begin; s < n_end; s += SLAB) {
-        long e = s + SLAB < n_end ? s + SLAB : n_end;
-        for (long m0 = 0; m0 < M; m0 += MB_MAX) {
-            long mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
-            ROWS[mb](x + m0 * ldx, ldx, w, K, y + m0 * ldy, ldy, s, e);
+}
+
+/* x rows [m0, m0 + mb) transposed into xt[K][mb]. */
+static void transpose_chunk(const float *x, long ldx, long K, long m0, long mb, float *xt) {
+    for (long m = 0; m < mb; m++) {
+        const float *row = x + (m0 + m) * ldx;
+        for (long k = 0; k < K; k++) xt[k * mb + m] = row[k];
+    }
+}
+
+static void thread_panels(const float *xt, const float *wp, long M, long N, long K, float *y,
+                          long ldy, long p_begin, long p_end) {
+    long chunk_bytes = K * MB_MAX * 4;
+    long group = L2_X_BYTES / chunk_bytes; /* x chunks per pass over the weights */
+    if (group < 1) group = 1;
+    long chunks = (M + MB_MAX - 1) / MB_MAX;
+    for (long g0 = 0; g0 < chunks; g0 += group) {
+        long g1 = g0 + group < chunks ? g0 + group : chunks;
+        for (long p = p_begin; p < p_end; p++) {
+            long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
+            for (long c = g0; c < g1; c++) {
+                long m0 = c * MB_MAX, mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
+                PANELS[mb](xt + m0 * K, wp + p * K * P, K, y + m0 * ldy, ldy, n0, nvalid);
+            }
         }
     }
 }
 
-/* y[m * ldy + n] = sum_k x[m * ldx + k] * w[n * K + k]; returns 0, or -1 on bad arguments. */
-int tg_linear_small_m(const float *x, long ldx, const float *w, float *y, long ldy, long M,
+/* y[m * ldy + n] = sum_k x[m * ldx + k] * W[n, k], wp being W packed by tg_pack.
+ * Returns 0, -1 on bad arguments, -2 if the x buffer cannot be allocated. */
+int tg_linear_small_m(const float *x, long ldx, const float *wp, float *y, long ldy, long M,
                       long N, long K, int nthreads) {
     if (M < 1 || N < 1 || K < 1 || ldx < K || ldy < N || nthreads < 1) return -1;
-    /* Split N into contiguous ranges, each a multiple of 24 rows (every R divides it) so no
-     * thread runs a partial register block except at the very end. */
-    long units = (N + 23) / 24;
-    if (nthreads > units) nthreads = (int)units;
-    if (nthreads <= 1) {
-        thread_rows(x, ldx, w, K, y, ldy, M, 0, N);
-        return 0;
-    }
+    long chunks = (M + MB_MAX - 1) / MB_MAX;
+    /* chunk c at xt + c * MB_MAX * K, laid out [K][mb] */
+    float *xt = malloc((size_t)M * (size_t)K * sizeof(float));
+    if (!xt) return -2;
+    long panels = (N + P - 1) / P;
+    if (nthreads > panels) nthreads = (int)panels;
 #pragma omp parallel num_threads(nthreads)
     {
 #ifdef _OPENMP
@@ -147,12 +182,18 @@ int tg_linear_small_m(const float *x, long ldx, const float *w, float *y, long l
 #else
         long t = 0, nt = 1;
 #endif
-        long b = units * t / nt * 24, e = units * (t + 1) / nt * 24;
-        if (e > N) e = N;
-        if (b < e) thread_rows(x, ldx, w, K, y, ldy, M, b, e);
+#pragma omp for schedule(static)
+        for (long c = 0; c < chunks; c++) {
+            long m0 = c * MB_MAX, mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
+            transpose_chunk(x, ldx, K, m0, mb, xt + m0 * K);
+        }
+        /* (implicit barrier: every chunk is transposed before any panel runs) */
+        long b = panels * t / nt, e = panels * (t + 1) / nt;
+        if (b < e) thread_panels(xt, wp, M, N, K, y, ldy, b, e);
     }
+    free(xt);
     return 0;
 }
 
 /* Lets the loader check that the library it opened is the one it built. */
-int tg_kernel_abi(void) { return 1; }
+int tg_kernel_abi(void) { return 2; }

@@ -1,7 +1,8 @@
 """The small-M fp32 linear (gemv.c): compiled once per machine, loaded with ctypes.
 
     kernel = load_small_m_kernel()   # None, with one logged line saying why, if unavailable
-    y = kernel.linear(x, w)          # x [M, K], w [N, K] -> [M, N], fp32, M <= kernel.max_m
+    wp = kernel.pack(w)              # w [N, K] fp32 -> panels, once
+    y = kernel.linear(x, wp)         # x [M, K] -> [M, N]
 
 Build: `cc -O3 -march=native -fopenmp -shared -fPIC gemv.c` into
 `$TAILGUARD_CACHE/kernels/<hash>.so` (default `~/.cache/tailguard/kernels`), the
@@ -20,22 +21,30 @@ import logging
 import os
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_M", "SmallMKernel", "load_small_m_kernel", "small_m_unavailable_reason"]
+__all__ = [
+    "MAX_M",
+    "PanelWeight",
+    "SmallMKernel",
+    "load_small_m_kernel",
+    "small_m_unavailable_reason",
+]
 
 log = logging.getLogger("tailguard.engine")
 
 SOURCE = Path(__file__).with_name("gemv.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 1  # tg_kernel_abi() of the source this module expects
+ABI = 2  # tg_kernel_abi() of the source this module expects
 
-# Rows up to which the kernel beats oneDNN's fp32 matmul (measured on the 2-core AVX-512 Xeon,
-# docs/benchmarks.md, issue 12 session 21): the engine dispatches on the rows at call time.
-MAX_M = 16
+# Rows up to which the kernel beats oneDNN's fp32 matmul: measured on the 2-core AVX-512 Xeon
+# (docs/benchmarks.md, issue 12, session 21) 0.7x its time at 16-32 rows, 0.85-0.95x at 64,
+# 1.0-1.1x at 128-256. The engine dispatches on the rows at call time.
+MAX_M = 64
 
 _loaded: dict[tuple[str, str], SmallMKernel | str] = {}  # (compiler, cache dir) -> kernel | why not
 
@@ -51,53 +60,74 @@ def default_cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+@dataclass(frozen=True)
+class PanelWeight:
+    """A [N, K] weight in the kernel's layout: panels of `width` output columns, each
+    [K, width], zero-padded to whole panels (gemv.c, tg_pack)."""
+
+    panels: Tensor  # [ceil(N / width), K, width] fp32, contiguous
+    out_features: int  # N
+    in_features: int  # K
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+
 class SmallMKernel:
-    """y = x @ w^T for fp32, contiguous x [M, K] (M <= max_m) and w [N, K]."""
+    """y = x @ w^T for fp32 x [M, K] (M <= max_m for the engine's dispatch; any M computes)
+    and w packed once by `pack` from [N, K]."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path, max_m: int = MAX_M) -> None:
         self.path = path
         self.max_m = max_m
+        c_long, c_void_p = ctypes.c_long, ctypes.c_void_p
         fn = lib.tg_linear_small_m
         fn.restype = ctypes.c_int
-        fn.argtypes = [
-            ctypes.c_void_p,  # x
-            ctypes.c_long,  # ldx
-            ctypes.c_void_p,  # w
-            ctypes.c_void_p,  # y
-            ctypes.c_long,  # ldy
-            ctypes.c_long,  # M
-            ctypes.c_long,  # N
-            ctypes.c_long,  # K
-            ctypes.c_int,  # threads
-        ]
+        # x, ldx, panels, y, ldy, M, N, K, threads
+        fn.argtypes = [c_void_p, c_long, c_void_p, c_void_p, c_long, c_long, c_long, c_long]
+        fn.argtypes.append(ctypes.c_int)
         self._fn = fn
+        self._pack = lib.tg_pack
+        self._pack.restype = None
+        self._pack.argtypes = [c_void_p, c_void_p, c_long, c_long]
+        self.width = int(lib.tg_panel_width())
         self._lib = lib  # keeps the library loaded
 
-    def applies(self, x: Tensor, w: Tensor) -> bool:
-        """Whether linear(x, w) runs here (else the caller's oneDNN path)."""
+    def pack(self, w: Tensor) -> PanelWeight:
+        """[N, K] fp32 -> the kernel's panels (a new tensor; w is left as it is)."""
+        if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
+            raise ValueError(f"small-M kernel packs CPU fp32 [N, K]: got {w.dtype} {w.shape}")
+        w = w.detach().contiguous()
+        n, k = w.shape
+        panels = torch.empty(-(-n // self.width), k, self.width, dtype=torch.float32)
+        self._pack(w.data_ptr(), panels.data_ptr(), n, k)
+        return PanelWeight(panels, n, k)
+
+    def applies(self, x: Tensor) -> bool:
+        """Whether the engine runs x on the kernel (else the caller's oneDNN path)."""
         return (
             x.dim() == 2
             and x.shape[0] <= self.max_m
             and x.dtype == torch.float32
-            and w.dtype == torch.float32
             and x.device.type == "cpu"
         )
 
-    def linear(self, x: Tensor, w: Tensor, threads: int | None = None) -> Tensor:
-        """[M, K] x [N, K] -> [M, N]. x may have a row stride (a view of wider rows); w must
-        be contiguous. No copies: the kernel reads both through their data pointers."""
+    def linear(self, x: Tensor, w: PanelWeight, threads: int | None = None) -> Tensor:
+        """[M, K] x [N, K]^T -> [M, N]. x may have a row stride (a view of wider rows): the
+        kernel reads it and the panels through their data pointers, no copies."""
         m, k = x.shape
-        n = w.shape[0]
-        if w.shape[1] != k or not w.is_contiguous() or x.stride(1) != 1:
+        if k != w.in_features or x.stride(1) != 1 or x.dtype != torch.float32:
             raise ValueError(
-                f"small-M kernel needs x [M, K] with unit inner stride and a contiguous w "
-                f"[N, K]: got x {tuple(x.shape)} strides {x.stride()}, w {tuple(w.shape)}"
+                f"small-M kernel needs fp32 x [M, {w.in_features}] with unit inner stride: "
+                f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}"
             )
+        n = w.out_features
         y = torch.empty(m, n, dtype=torch.float32)
         nt = torch.get_num_threads() if threads is None else threads
-        rc = self._fn(x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), n, m, n, k, nt)
-        if rc != 0:  # pragma: no cover - shapes are checked above
-            raise ValueError(f"small-M kernel refused x {tuple(x.shape)}, w {tuple(w.shape)}")
+        rc = self._fn(x.data_ptr(), x.stride(0), w.panels.data_ptr(), y.data_ptr(), n, m, n, k, nt)
+        if rc != 0:  # pragma: no cover - -2: out of memory for x's transposed copy
+            raise MemoryError(f"small-M kernel failed ({rc}) on x {tuple(x.shape)}, N={n}")
         return y
 
 
@@ -152,7 +182,7 @@ def _check(kernel: SmallMKernel) -> str | None:
         x = torch.randn(m, k, generator=g)
         w = torch.randn(n, k, generator=g)
         for threads in (1, 2):
-            got = kernel.linear(x, w, threads)
+            got = kernel.linear(x, kernel.pack(w), threads)
             want = x.double() @ w.double().t()
             err = (got.double() - want).abs().max().item()
             if err > 1e-4 * max(1.0, want.abs().max().item()):
