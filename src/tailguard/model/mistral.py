@@ -125,6 +125,8 @@ class KernelLinear(nn.Module):
     as oneDNN's packed weights within a few percent.
     """
 
+    panels: Tensor  # [N/P, K, P] fp32: the weight in the kernel's layout
+
     def __init__(self, weight: Tensor, kernel: SmallMKernel) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
