@@ -95,10 +95,12 @@ def micro(cfg: MistralConfig, rows: int, threads: int, rounds: int = 5) -> None:
         weights = [torch.randn(n, k) for _ in range(copies)]
         x = torch.randn(rows, k)
         runs: dict[str, Any] = {}
+        panels = []
         if kernel is not None:
-            runs["kernel"] = [lambda w=w, x=x: kernel.linear(x, w) for w in weights]
-        packed = [PackedLinear(w) for w in weights[: max(2, copies // 2)]]
-        del weights  # oneDNN's copies: as many bytes again; keep the sweep over 320+ MB
+            panels = [kernel.pack(w) for w in weights]
+            runs["kernel"] = [lambda w=w, x=x: kernel.linear(x, w) for w in panels]
+        packed = [PackedLinear(w) for w in weights]
+        del weights  # the plain copies
         runs["oneDNN"] = [lambda p=p, x=x: p(x) for p in packed]
         res = []
         for tag, fns in runs.items():
@@ -108,7 +110,7 @@ def micro(cfg: MistralConfig, rows: int, threads: int, rounds: int = 5) -> None:
             ms = statistics.median(per) * 1e3
             res.append(f"{tag} {ms:.3f} ms ({nbytes / ms / 1e6:.1f} GB/s)")
         print(f"  [{rows} x {k}] x [{k} x {n}] ({name}, {nbytes / 1e6:.1f} MB): " + ", ".join(res))
-        del runs, packed
+        del runs, packed, panels
 
 
 def main() -> None:
