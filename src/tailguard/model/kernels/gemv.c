@@ -58,10 +58,13 @@ typedef float vfu __attribute__((vector_size(VBYTES), aligned(4))); /* unaligned
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* One panel [K][P] against one x chunk [K][MB] (MB a constant at every call site, so the
- * loops unroll and the accumulators stay in registers) into y[0..MB)[n0..n0+nvalid). */
-ALWAYS_INLINE void panel(const float *restrict xt, const float *restrict wp, long K,
-                         float *restrict y, long ldy, long n0, long nvalid, const int MB) {
+/* One panel [K][P] against MB rows of x into y[0..MB)[n0..n0+nvalid). MB and DIRECT are
+ * constants at every call site, so the loops unroll and the accumulators stay in registers.
+ * x is a transposed chunk [K][MB], or with DIRECT the rows of x themselves (ldx apart): one
+ * chunk needs no transposed copy, each row's line serving 16 values of k. */
+ALWAYS_INLINE void panel(const float *restrict x, long ldx, const float *restrict wp, long K,
+                         float *restrict y, long ldy, long n0, long nvalid, const int MB,
+                         const int DIRECT) {
     vf a0[MB_MAX], a1[MB_MAX];
 #pragma GCC unroll 12
     for (int m = 0; m < MB; m++) a0[m] = a1[m] = (vf){0};
@@ -73,7 +76,8 @@ ALWAYS_INLINE void panel(const float *restrict xt, const float *restrict wp, lon
         const vf w1 = *(const vfu *)(wp + k * P + VL);
 #pragma GCC unroll 12
         for (int m = 0; m < MB; m++) {
-            const vf b = xt[k * MB + m] - (vf){0}; /* x - 0.0 == x: folds to a broadcast */
+            const float xv = DIRECT ? x[m * ldx + k] : x[k * MB + m];
+            const vf b = xv - (vf){0}; /* x - 0.0 == x: folds to a broadcast */
             a0[m] += w0 * b;
             a1[m] += w1 * b;
         }
@@ -92,9 +96,13 @@ ALWAYS_INLINE void panel(const float *restrict xt, const float *restrict wp, lon
 }
 
 #define DEFINE_PANEL(MB)                                                                       \
-    static void panel_##MB(const float *xt, const float *wp, long K, float *y, long ldy,       \
-                           long n0, long nvalid) {                                             \
-        panel(xt, wp, K, y, ldy, n0, nvalid, MB);                                              \
+    static void panel_##MB(const float *x, long ldx, const float *wp, long K, float *y,        \
+                           long ldy, long n0, long nvalid) {                                   \
+        panel(x, ldx, wp, K, y, ldy, n0, nvalid, MB, 0);                                       \
+    }                                                                                          \
+    static void direct_##MB(const float *x, long ldx, const float *wp, long K, float *y,       \
+                            long ldy, long n0, long nvalid) {                                  \
+        panel(x, ldx, wp, K, y, ldy, n0, nvalid, MB, 1);                                       \
     }
 DEFINE_PANEL(1)
 DEFINE_PANEL(2)
@@ -111,11 +119,17 @@ DEFINE_PANEL(11)
 DEFINE_PANEL(12)
 #endif
 
-typedef void (*panel_fn)(const float *, const float *, long, float *, long, long, long);
+typedef void (*panel_fn)(const float *, long, const float *, long, float *, long, long, long);
 static const panel_fn PANELS[MB_MAX + 1] = {
     0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6,
 #if MB_MAX > 6
     panel_7, panel_8, panel_9, panel_10, panel_11, panel_12,
+#endif
+};
+static const panel_fn DIRECT[MB_MAX + 1] = {
+    0, direct_1, direct_2, direct_3, direct_4, direct_5, direct_6,
+#if MB_MAX > 6
+    direct_7, direct_8, direct_9, direct_10, direct_11, direct_12,
 #endif
 };
 
@@ -156,7 +170,7 @@ static void thread_panels(const float *xt, const float *wp, long M, long N, long
             long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
             for (long c = g0; c < g1; c++) {
                 long m0 = c * MB_MAX, mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
-                PANELS[mb](xt + m0 * K, wp + p * K * P, K, y + m0 * ldy, ldy, n0, nvalid);
+                PANELS[mb](xt + m0 * K, 0, wp + p * K * P, K, y + m0 * ldy, ldy, n0, nvalid);
             }
         }
     }
@@ -167,12 +181,30 @@ static void thread_panels(const float *xt, const float *wp, long M, long N, long
 int tg_linear_small_m(const float *x, long ldx, const float *wp, float *y, long ldy, long M,
                       long N, long K, int nthreads) {
     if (M < 1 || N < 1 || K < 1 || ldx < K || ldy < N || nthreads < 1) return -1;
+    long panels = (N + P - 1) / P;
+    if (nthreads > panels) nthreads = (int)panels;
+    if (M <= MB_MAX) { /* decode sizes: x read in place, every weight read once */
+#pragma omp parallel num_threads(nthreads)
+        {
+#ifdef _OPENMP
+            extern int omp_get_thread_num(void);
+            extern int omp_get_num_threads(void);
+            long t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+            long t = 0, nt = 1;
+#endif
+            long b = panels * t / nt, e = panels * (t + 1) / nt;
+            for (long p = b; p < e; p++) {
+                long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
+                DIRECT[M](x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid);
+            }
+        }
+        return 0;
+    }
     long chunks = (M + MB_MAX - 1) / MB_MAX;
     /* chunk c at xt + c * MB_MAX * K, laid out [K][mb] */
     float *xt = malloc((size_t)M * (size_t)K * sizeof(float));
     if (!xt) return -2;
-    long panels = (N + P - 1) / P;
-    if (nthreads > panels) nthreads = (int)panels;
 #pragma omp parallel num_threads(nthreads)
     {
 #ifdef _OPENMP
@@ -196,4 +228,4 @@ int tg_linear_small_m(const float *x, long ldx, const float *wp, float *y, long 
 }
 
 /* Lets the loader check that the library it opened is the one it built. */
-int tg_kernel_abi(void) { return 2; }
+int tg_kernel_abi(void) { return 3; }

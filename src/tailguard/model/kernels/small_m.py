@@ -39,7 +39,7 @@ log = logging.getLogger("tailguard.engine")
 
 SOURCE = Path(__file__).with_name("gemv.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 2  # tg_kernel_abi() of the source this module expects
+ABI = 3  # tg_kernel_abi() of the source this module expects
 
 # Rows up to which the kernel beats oneDNN's fp32 matmul: measured on the 2-core AVX-512 Xeon
 # (docs/benchmarks.md, issue 12, session 21) 0.7x its time at 16-32 rows, 0.85-0.95x at 64,
