@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 import torch
 
 from tailguard.core.request import EngineRequest, SamplingParams
@@ -184,6 +185,8 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool) -> float
 
     core.runner.model.forward = timed  # type: ignore[method-assign]
 
+    prefills: list[float] = []
+
     def run(tag: str) -> tuple[list[float], list[float], list[float]]:
         for i in range(args.batch):
             prompt = tuple(rng.randrange(3, 32000) for _ in range(args.prompt))
@@ -198,17 +201,20 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool) -> float
             encode(UpdateMsg(outputs=outs, stats=core.stats()))
             steps.append(t1 - t0)
             encodes.append(time.perf_counter() - t1)
+        prefills.append(steps[0])
         return steps[1:], forwards[1:], encodes[1:]  # [0] is the prefill
 
     run("warm")
     steps, fwd, enc = run("run")
     s, f, e = (statistics.median(x) * 1e3 for x in (steps, fwd, enc))
     kernel = "kernel" if core.runner.small_m_kernel is not None else "oneDNN"
+    rss = psutil.Process().memory_info().rss / 2**20
     print(
         f"{model.name} batch={args.batch} threads={args.threads} dtype={args.dtype} "
         f"buckets={'from 16' if args.old_buckets else 'from 1'} {kernel}: decode step {s:.1f} "
         f"ms, forward {f:.1f} ms, outside the forward {s - f:.1f} ms, encode+stats {e:.2f} ms "
-        f"({args.batch / (s + e) * 1e3:.0f} tok/s engine-only)"
+        f"({args.batch / (s + e) * 1e3:.0f} tok/s engine-only); prefill step "
+        f"({args.batch} x {args.prompt} tokens) {prefills[-1] * 1e3:.0f} ms; RSS {rss:.0f} MiB"
     )
     if args.profile:
         prof = cProfile.Profile()
