@@ -174,6 +174,7 @@ def tailguard(folder: Path, args: argparse.Namespace, logs: Path) -> dict[int, L
     ]
     if args.engine_threads:
         cmd += ["--engine-threads", str(args.engine_threads)]
+    cmd += args.serve_arg
     base = f"http://127.0.0.1:{port}"
     with serving("tailguard", cmd, logs / "tailguard.log", base + "/ready", timeout_s=600):
         return run_levels(base, folder.name, args, "tailguard")
@@ -230,6 +231,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="2: tailguard, vllm, vllm, tailguard")
     ap.add_argument("--vllm-venv", default="/work/vllm-venv")
     ap.add_argument("--only", choices=("tailguard", "vllm"), default=None)
+    ap.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="extra `tailguard serve` argument (repeatable), e.g. --serve-arg=--no-small-m-kernel",
+    )
     args = ap.parse_args()
     folder = args.model or checkpoint(args.preset)
     logs = Path(tempfile.mkdtemp(prefix="bench-vllm-"))

@@ -3,12 +3,20 @@ together (prompt tokens, then decode), the forward timed apart from the rest of 
 
     .venv/bin/python bench/engine_step.py --model ~/.cache/tailguard/bench-m --batch 8 --threads 2
     .venv/bin/python bench/engine_step.py --batch 64 --threads 1          # the embedded model
+    .venv/bin/python bench/engine_step.py --model ~/.cache/tailguard/bench-m --ab-kernel --matmuls
 
 Prints the median decode step, forward, and outside-the-forward (output head, argmax, plan,
 scheduler update) in ms, and the msgpack encode of each step's outputs + stats; --old-buckets
 runs with the token-bucket floor of 16 that preceded session 19, --profile adds a cProfile of
 the steps. Set OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=200000 to match the served engine.
-No baseline: the ratios live in bench_vllm.py; take numbers under `flock -x /tmp/tg-cpu.lock`.
+
+--ab-kernel runs the step twice in one run, oneDNN only (small_m_kernel=False) then our
+small-M kernel, after measuring the machine's read bandwidth (fp32 sum over 512 MB, 1 thread
+and --threads) and printing the weights-bytes / bandwidth bound; the decode-step ratio comes
+last. --matmuls adds the per-matmul micro bench: the model's four projection shapes and its
+head at --batch rows, kernel vs oneDNN-packed, cycling over distinct weights (>= 640 MB per
+shape, over twice the L3 of any machine here) so every weight comes from memory.
+No vLLM baseline here (bench_vllm.py); take numbers under `flock -x /tmp/tg-cpu.lock`.
 """
 
 from __future__ import annotations
@@ -23,12 +31,87 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
+import torch
 
 from tailguard.core.request import EngineRequest, SamplingParams
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.core import EngineCore
 from tailguard.engine.protocol import UpdateMsg
+from tailguard.model.config import MistralConfig
 from tailguard.model.embedded import default_model_dir
+from tailguard.model.kernels import load_small_m_kernel, small_m_unavailable_reason
+from tailguard.model.mistral import PackedLinear
+
+
+def read_bandwidth(threads: int, mbytes: int = 512, repeat: int = 7) -> float:
+    """GB/s of an fp32 sum over `mbytes` MB on `threads` threads (best of `repeat`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.ones(mbytes * 2**20 // 4)
+        a.sum()
+        best = min(_timed(a.sum) for _ in range(repeat))
+    finally:
+        torch.set_num_threads(before)
+    return a.numel() * 4 / best / 1e9
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def weight_bytes(cfg: MistralConfig) -> int:
+    """Bytes of fp32 weights one decode step reads: every projection and the output head."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = (q + 2 * kv) * h + q * h + 2 * i * h + i * h
+    return 4 * (cfg.num_hidden_layers * per_layer + cfg.vocab_size * h)
+
+
+def matmul_shapes(cfg: MistralConfig) -> list[tuple[str, int, int]]:
+    """(name, N, K) of the weights a layer and the head multiply by."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return [
+        ("w13", 2 * i, h),
+        ("w2", h, i),
+        ("wqkv", q + 2 * kv, h),
+        ("wo", h, q),
+        ("head", cfg.vocab_size, h),
+    ]
+
+
+def micro(cfg: MistralConfig, rows: int, threads: int, rounds: int = 5) -> None:
+    """Per-matmul ms and GB/s of weights streamed, kernel vs oneDNN-packed, distinct weights."""
+    torch.set_num_threads(threads)
+    kernel = load_small_m_kernel()
+    if kernel is None:
+        print(f"small-M kernel unavailable: {small_m_unavailable_reason()}")
+    for name, n, k in matmul_shapes(cfg):
+        nbytes = n * k * 4
+        copies = max(2, -(-640 * 2**20 // nbytes))  # >= 640 MB: no weight stays in L3
+        weights = [torch.randn(n, k) for _ in range(copies)]
+        x = torch.randn(rows, k)
+        runs: dict[str, Any] = {}
+        panels = []
+        if kernel is not None:
+            panels = [kernel.pack(w) for w in weights]
+            runs["kernel"] = [lambda w=w, x=x: kernel.linear(x, w) for w in panels]
+        packed = [PackedLinear(w) for w in weights]
+        del weights  # the plain copies
+        runs["oneDNN"] = [lambda p=p, x=x: p(x) for p in packed]
+        res = []
+        for tag, fns in runs.items():
+            for fn in fns:
+                fn()
+            per = [sum(_timed(fn) for fn in fns) / len(fns) for _ in range(rounds)]
+            ms = statistics.median(per) * 1e3
+            res.append(f"{tag} {ms:.3f} ms ({nbytes / ms / 1e6:.1f} GB/s)")
+        print(f"  [{rows} x {k}] x [{k} x {n}] ({name}, {nbytes / 1e6:.1f} MB): " + ", ".join(res))
+        del runs, packed, panels
 
 
 def main() -> None:
@@ -40,9 +123,41 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--old-buckets", action="store_true", help="token buckets from 16")
+    ap.add_argument("--no-kernel", action="store_true", help="small_m_kernel=False (oneDNN)")
+    ap.add_argument("--ab-kernel", action="store_true", help="oneDNN, then the kernel; ratio")
+    ap.add_argument("--matmuls", action="store_true", help="per-matmul micro bench")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     model = args.model or default_model_dir()
+    cfg = MistralConfig.from_dir(model)
+    bound: dict[int, float] = {}
+    if args.ab_kernel or args.matmuls:
+        wb = weight_bytes(cfg)
+        for t in sorted({1, args.threads}):
+            gbs = read_bandwidth(t)
+            bound[t] = wb / gbs / 1e6
+            print(
+                f"read bandwidth {t} thread(s): {gbs:.1f} GB/s (fp32 sum over 512 MB); "
+                f"{wb / 1e6:.0f} MB of weights per decode step -> bound {bound[t]:.1f} ms"
+            )
+    if args.matmuls:
+        micro(cfg, args.batch, args.threads)
+    variants = [True, False] if args.ab_kernel else [not args.no_kernel]
+    steps: dict[bool, float] = {}
+    for use_kernel in variants[::-1]:  # oneDNN first in an A/B
+        steps[use_kernel] = run_engine(args, model, use_kernel)
+    if args.ab_kernel:
+        b = bound.get(args.threads)
+        k, o = steps[True], steps[False]
+        print(
+            f"decode step batch={args.batch} threads={args.threads}: kernel {k:.1f} ms, "
+            f"oneDNN {o:.1f} ms (oneDNN / kernel {o / k:.2f}x); bound {b:.1f} ms: "
+            f"kernel {k / b:.2f}x the bound, oneDNN {o / b:.2f}x"
+        )
+
+
+def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool) -> float:
+    """One engine's median decode step in ms (printed with its parts)."""
     extra: dict[str, Any] = {}
     if args.old_buckets:
         extra["token_buckets"] = (16, 32, 64, 128, 256, 512, 1024)
@@ -52,6 +167,7 @@ def main() -> None:
         threads=args.threads,
         max_model_len=2048,
         nice=0,
+        small_m_kernel=use_kernel,
         **extra,
     )
     core = EngineCore(cfg, model)
@@ -69,6 +185,8 @@ def main() -> None:
 
     core.runner.model.forward = timed  # type: ignore[method-assign]
 
+    prefills: list[float] = []
+
     def run(tag: str) -> tuple[list[float], list[float], list[float]]:
         for i in range(args.batch):
             prompt = tuple(rng.randrange(3, 32000) for _ in range(args.prompt))
@@ -83,16 +201,20 @@ def main() -> None:
             encode(UpdateMsg(outputs=outs, stats=core.stats()))
             steps.append(t1 - t0)
             encodes.append(time.perf_counter() - t1)
+        prefills.append(steps[0])
         return steps[1:], forwards[1:], encodes[1:]  # [0] is the prefill
 
     run("warm")
     steps, fwd, enc = run("run")
     s, f, e = (statistics.median(x) * 1e3 for x in (steps, fwd, enc))
+    kernel = "kernel" if core.runner.small_m_kernel is not None else "oneDNN"
+    rss = psutil.Process().memory_info().rss / 2**20
     print(
         f"{model.name} batch={args.batch} threads={args.threads} dtype={args.dtype} "
-        f"buckets={'from 16' if args.old_buckets else 'from 1'}: decode step {s:.1f} ms, "
-        f"forward {f:.1f} ms, outside the forward {s - f:.1f} ms, encode+stats {e:.2f} ms "
-        f"({args.batch / (s + e) * 1e3:.0f} tok/s engine-only)"
+        f"buckets={'from 16' if args.old_buckets else 'from 1'} {kernel}: decode step {s:.1f} "
+        f"ms, forward {f:.1f} ms, outside the forward {s - f:.1f} ms, encode+stats {e:.2f} ms "
+        f"({args.batch / (s + e) * 1e3:.0f} tok/s engine-only); prefill step "
+        f"({args.batch} x {args.prompt} tokens) {prefills[-1] * 1e3:.0f} ms; RSS {rss:.0f} MiB"
     )
     if args.profile:
         prof = cProfile.Profile()
@@ -100,6 +222,7 @@ def main() -> None:
         run("prof")
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    return s
 
 
 if __name__ == "__main__":

@@ -79,6 +79,14 @@ class EngineConfig:
     prepack_weights: bool = True
     """CPU: reorder every weight once into oneDNN's blocked layout (fp32/bf16). Measured on 2
     cores, 246M-parameter model in bf16: decode step at batch 8 80 -> 63 ms, same tokens."""
+    small_m_kernel: bool = True
+    """CPU fp32: hold every projection and the output head in our own kernel's layout
+    (model/kernels/gemv.c, compiled at first use with the system C compiler into
+    ~/.cache/tailguard/kernels) and run matmuls of up to 64 rows (decode steps, the head) on
+    it: it streams the weights at about the read bandwidth where oneDNN's fp32 kernel reaches
+    50-75% of it; more rows run as a batched matmul over the same weights (one copy). Without
+    a compiler, or if the build or its self-check fails, the engine logs one line saying why
+    and uses oneDNN (`prepack_weights`). False: oneDNN only (A/B)."""
     oom_test_hook: str | None = None
     """Tests only: request ids (comma-separated) whose batches raise OutOfMemoryError."""
 

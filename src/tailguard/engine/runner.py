@@ -9,6 +9,7 @@ only ever sees shapes it met during warm-up; `shapes` records the full key of ev
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -31,8 +32,11 @@ from tailguard.engine.config import EngineConfig
 from tailguard.engine.sampling import sample_rows
 from tailguard.model.batch import NULL_BLOCK, AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
+from tailguard.model.kernels import SmallMKernel, load_small_m_kernel
 from tailguard.model.loader import best_cpu_dtype, load_model, resolve_dtype
 from tailguard.model.mistral import DecoderLayer, allocate_kv_cache, attention_mask
+
+log = logging.getLogger("tailguard.engine")
 
 
 class InjectedOOM(torch.OutOfMemoryError):
@@ -70,8 +74,10 @@ class ModelRunner:
         self.dtype = choose_dtype(config)
         self.model, self.mcfg = load_model(model_dir, dtype=self.dtype, device=config.device)
         self.model.eval()
-        if config.prepack_weights:
-            self.model.prepack()  # a no-op where oneDNN packing does not apply (CUDA, fp16)
+        self.small_m_kernel = self._small_m_kernel()
+        if config.prepack_weights or self.small_m_kernel is not None:
+            # a no-op where neither oneDNN packing nor the kernel applies (CUDA, fp16)
+            self.model.prepack(pack=config.prepack_weights, kernel=self.small_m_kernel)
         self.max_model_len = config.max_model_len or self.mcfg.max_position_embeddings
         self.blocks_ladder = block_ladder(math.ceil(self.max_model_len / config.block_size))
         self.shapes = ShapeTracker()
@@ -86,6 +92,21 @@ class ModelRunner:
         # engine's `seed`: a restarted engine given the same work samples the same tokens
         self._rng = torch.Generator(device=self.device).manual_seed(config.seed)
         self._oom_ids = frozenset((config.oom_test_hook or "").split(",")) - {""}
+
+    def _small_m_kernel(self) -> SmallMKernel | None:
+        """The small-M kernel where the config asks for it and it applies (CPU fp32), else
+        None; a wrong dtype or device is said once here, a failed build by the loader."""
+        if not self.config.small_m_kernel:
+            return None
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            log.warning(
+                "tailguard: small-M kernel is for CPU fp32, this engine runs %s on %s: "
+                "using oneDNN / the device's matmuls",
+                self.dtype,
+                self.device,
+            )
+            return None
+        return load_small_m_kernel()
 
     # ---- memory --------------------------------------------------------------------------
     def _allocate_kv(self) -> KVLayout:

@@ -21,8 +21,16 @@ from torch import Tensor, nn
 
 from tailguard.model.batch import AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
+from tailguard.model.kernels import SmallMKernel
 
-__all__ = ["MistralModel", "PackedLinear", "allocate_kv_cache", "attention_mask", "can_prepack"]
+__all__ = [
+    "KernelLinear",
+    "MistralModel",
+    "PackedLinear",
+    "allocate_kv_cache",
+    "attention_mask",
+    "can_prepack",
+]
 
 KVCache = list[tuple[Tensor, Tensor]]
 
@@ -102,6 +110,40 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+class KernelLinear(nn.Module):
+    """A bias-free fp32 linear on our own kernel's weight layout (kernels/gemv.c): the kernel
+    itself for up to `kernel.max_m` rows (decode steps, the head), torch's batched matmul
+    (MKL / oneDNN) over the same panels above that. One copy of the weight: the panels
+    replace the plain [out, in] weight.
+
+    Why: at decode sizes oneDNN's fp32 kernel streams the weights at 50-75% of the read
+    bandwidth; the kernel reaches about all of it up to 8 rows and beats oneDNN up to 64
+    (docs/benchmarks.md, issue 12, session 21). For more rows (prefill) the work is
+    compute-bound and a batched matmul over the panels ([M, K] x [K, 32] per panel) is as fast
+    as oneDNN's packed weights within a few percent.
+    """
+
+    panels: Tensor  # [N/P, K, P] fp32: the weight in the kernel's layout
+
+    def __init__(self, weight: Tensor, kernel: SmallMKernel) -> None:
+        super().__init__()
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        self.kernel = kernel
+        self.weight = kernel.pack(weight)
+        self.register_buffer("panels", self.weight.panels, persistent=False)  # [N/P, K, P]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kernel.applies(x):
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            return self.kernel.linear(x, self.weight)
+        m, n = x.shape[0], self.out_features
+        y = torch.matmul(x, self.panels)  # [N/P, M, P]
+        y = y.permute(1, 0, 2).reshape(m, -1)  # [M, N/P * P]
+        return y if y.shape[1] == n else y[:, :n].contiguous()
 
 
 class RMSNorm(nn.Module):
@@ -234,7 +276,7 @@ class MistralModel(nn.Module):
     def __init__(self, config: MistralConfig, max_seq_len: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self._head_packed: PackedLinear | None = None  # the output head after prepack()
+        self._head_packed: nn.Module | None = None  # the output head after prepack()
         # Initialised by hand and not on the meta device (the loader builds there and assigns
         # real tensors): normal_() on meta pulls in torch's Python reference kernels, a one-off
         # ~1-2 s import that would dominate loading a small model.
@@ -278,14 +320,24 @@ class MistralModel(nn.Module):
             x = layer(x, cos, sin, batch, masks, kv_cache)
         return self.norm(x)
 
-    def prepack(self) -> None:
-        """Replace every projection and the output head by oneDNN-packed weights (CPU).
+    def prepack(self, pack: bool = True, kernel: SmallMKernel | None = None) -> None:
+        """Replace every projection and the output head by faster linears (CPU inference).
 
-        Inference only, after loading: the plain weights are dropped, so `load_hf_weights`
-        and `state_dict` no longer apply. Idempotent; a no-op where packing does not exist.
+        kernel: our small-M kernel's layout (`KernelLinear`, fp32 only; the kernel for
+        decode-sized rows, a batched matmul over the same panels above). Else, with `pack`,
+        oneDNN-packed weights (`PackedLinear`). The plain weights are dropped (tied: the
+        embedding stays), so `load_hf_weights` and `state_dict` no longer apply. Inference
+        only, after loading; idempotent; a no-op where neither applies.
         """
-        if self._head_packed is not None or not can_prepack(self.dtype, self.device):
+        if kernel is not None and self.dtype != torch.float32:
+            kernel = None  # the kernel is fp32 only; the runner says so before calling
+        pack = pack and can_prepack(self.dtype, self.device)
+        if self._head_packed is not None or not (pack or kernel is not None):
             return
+
+        def make(weight: Tensor) -> nn.Module:
+            return PackedLinear(weight) if kernel is None else KernelLinear(weight, kernel)
+
         with torch.no_grad():
             for layer in self.layers:
                 for owner, name in (
@@ -295,10 +347,10 @@ class MistralModel(nn.Module):
                     (layer.mlp, "w2"),
                 ):
                     lin = getattr(owner, name)
-                    setattr(owner, name, PackedLinear(lin.weight))
+                    setattr(owner, name, make(lin.weight))
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self._head_packed = PackedLinear(head)
-            self.lm_head = None  # the plain head weight is dropped (tied: embedding stays)
+            self._head_packed = make(head)
+            self.lm_head = None  # the plain head weight is dropped or moved
             self._head_t = None
 
     @property

@@ -1,0 +1,231 @@
+/* Small-M fp32 linear: y[M, N] = x[M, K] @ W[N, K]^T, for the decode step's few rows.
+ *
+ * Why our own: at decode sizes the product is a few multiply-adds per weight, so the kernel's
+ * one job is to read every weight once, at the memory's rate, with as few instructions per
+ * weight vector as possible. oneDNN's fp32 kernel reaches about half the read bandwidth on
+ * the AVX2 EPYC and ~70% on the AVX-512 Xeon at 8 rows (docs/benchmarks.md, issue 12).
+ *
+ * Weight layout (tg_pack): panels of P = 2 vectors of output columns, each panel [K][P], i.e.
+ * W^T cut into column blocks of P, zero-padded to a whole panel. A panel is one sequential
+ * stream; at every k its P weights are two vector loads, and each is multiplied into MB rows
+ * of x broadcast from a scalar, so 2 x MB accumulators live in registers and a weight load
+ * feeds MB FMAs; x is transposed per call into chunks [K][MB] so those broadcasts read one
+ * contiguous line per 16 / MB values of k (a plain [N, K] weight pairs each weight vector
+ * with MB x vectors instead, and at 8 rows that x traffic made it compute/L2-bound: measured
+ * 19 GB/s vs 22 for oneDNN).
+ *
+ * Blocking: for each group of x chunks that fits in L2, every panel of the thread's range,
+ * and for each panel every chunk of the group while the panel is in L1/L2. At decode sizes
+ * there is one chunk and each weight is read exactly once.
+ *
+ * Threads: the panels are split into contiguous ranges, one per OpenMP thread (the caller
+ * passes torch's thread count; torch's own libgomp serves the parallel region when this
+ * library is loaded into a process that imported torch, so there is one thread pool).
+ *
+ * Written with GCC vector extensions so it compiles for whatever `-march=native` offers;
+ * FMAs come from contraction (-ffp-contract=fast is GCC's default in GNU C).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VBYTES 64
+#define MB_MAX 12 /* 24 accumulators + 2 weights + broadcasts within 32 registers */
+#elif defined(__AVX__)
+#define VBYTES 32
+#define MB_MAX 6 /* 12 + 2 + broadcasts within 16 */
+#else
+#define VBYTES 16
+#define MB_MAX 6
+#endif
+#define VL (VBYTES / 4)
+#define P (2 * VL)
+#define L2_X_BYTES (512 * 1024) /* x chunks kept in L2 while the panels stream past */
+/* Software prefetch of the panel stream, PF_ROWS rows (8 KiB on AVX-512) ahead, into L2
+ * and L1 (locality 2). The hardware prefetchers alone left a core waiting on memory once it
+ * had FMAs to do per line: measured at 8 rows [8 x 1024] x [1024 x 5632], 2 threads, 18 ->
+ * 25-28 GB/s (1 row: 29 -> 31). Distances 16-256 rows measured alike; locality 0 (NTA) halved
+ * the rate where a second x chunk re-reads the panel. */
+#ifndef PF_ROWS
+#define PF_ROWS 64
+#endif
+#ifndef PF_LOC
+#define PF_LOC 2
+#endif
+
+typedef float vf __attribute__((vector_size(VBYTES)));
+typedef float vfu __attribute__((vector_size(VBYTES), aligned(4))); /* unaligned access */
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* One panel [K][P] against MB rows of x into y[0..MB)[n0..n0+nvalid). MB and DIRECT are
+ * constants at every call site, so the loops unroll and the accumulators stay in registers.
+ * x is a transposed chunk [K][MB], or with DIRECT the rows of x themselves (ldx apart): one
+ * chunk needs no transposed copy, each row's line serving 16 values of k. */
+ALWAYS_INLINE void panel(const float *restrict x, long ldx, const float *restrict wp, long K,
+                         float *restrict y, long ldy, long n0, long nvalid, const int MB,
+                         const int DIRECT) {
+    vf a0[MB_MAX], a1[MB_MAX];
+#pragma GCC unroll 12
+    for (int m = 0; m < MB; m++) a0[m] = a1[m] = (vf){0};
+#pragma GCC unroll 2
+    for (long k = 0; k < K; k++) {
+        __builtin_prefetch(wp + (k + PF_ROWS) * P, 0, PF_LOC);
+        __builtin_prefetch(wp + (k + PF_ROWS) * P + P / 2, 0, PF_LOC);
+        const vf w0 = *(const vfu *)(wp + k * P);
+        const vf w1 = *(const vfu *)(wp + k * P + VL);
+#pragma GCC unroll 12
+        for (int m = 0; m < MB; m++) {
+            const float xv = DIRECT ? x[m * ldx + k] : x[k * MB + m];
+            const vf b = xv - (vf){0}; /* x - 0.0 == x: folds to a broadcast */
+            a0[m] += w0 * b;
+            a1[m] += w1 * b;
+        }
+    }
+    if (nvalid == P) {
+#pragma GCC unroll 12
+        for (int m = 0; m < MB; m++) {
+            *(vfu *)(y + m * ldy + n0) = a0[m];
+            *(vfu *)(y + m * ldy + n0 + VL) = a1[m];
+        }
+    } else {
+        for (int m = 0; m < MB; m++)
+            for (long j = 0; j < nvalid; j++)
+                y[m * ldy + n0 + j] = j < VL ? a0[m][j] : a1[m][j - VL];
+    }
+}
+
+#define DEFINE_PANEL(MB)                                                                       \
+    static void panel_##MB(const float *x, long ldx, const float *wp, long K, float *y,        \
+                           long ldy, long n0, long nvalid) {                                   \
+        panel(x, ldx, wp, K, y, ldy, n0, nvalid, MB, 0);                                       \
+    }                                                                                          \
+    static void direct_##MB(const float *x, long ldx, const float *wp, long K, float *y,       \
+                            long ldy, long n0, long nvalid) {                                  \
+        panel(x, ldx, wp, K, y, ldy, n0, nvalid, MB, 1);                                       \
+    }
+DEFINE_PANEL(1)
+DEFINE_PANEL(2)
+DEFINE_PANEL(3)
+DEFINE_PANEL(4)
+DEFINE_PANEL(5)
+DEFINE_PANEL(6)
+#if MB_MAX > 6
+DEFINE_PANEL(7)
+DEFINE_PANEL(8)
+DEFINE_PANEL(9)
+DEFINE_PANEL(10)
+DEFINE_PANEL(11)
+DEFINE_PANEL(12)
+#endif
+
+typedef void (*panel_fn)(const float *, long, const float *, long, float *, long, long, long);
+static const panel_fn PANELS[MB_MAX + 1] = {
+    0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6,
+#if MB_MAX > 6
+    panel_7, panel_8, panel_9, panel_10, panel_11, panel_12,
+#endif
+};
+static const panel_fn DIRECT[MB_MAX + 1] = {
+    0, direct_1, direct_2, direct_3, direct_4, direct_5, direct_6,
+#if MB_MAX > 6
+    direct_7, direct_8, direct_9, direct_10, direct_11, direct_12,
+#endif
+};
+
+int tg_panel_width(void) { return P; }
+
+/* wp[(n / P) * K * P + k * P + n % P] = w[n * K + k], zero-padded to whole panels: wp holds
+ * ceil(N / P) * K * P floats. */
+void tg_pack(const float *w, float *wp, long N, long K) {
+    long panels = (N + P - 1) / P;
+#pragma omp parallel for schedule(static)
+    for (long p = 0; p < panels; p++) {
+        float *dst = wp + p * K * P;
+        for (long k = 0; k < K; k++)
+            for (long j = 0; j < P; j++) {
+                long n = p * P + j;
+                dst[k * P + j] = n < N ? w[n * K + k] : 0.0f;
+            }
+    }
+}
+
+/* x rows [m0, m0 + mb) transposed into xt[K][mb]. */
+static void transpose_chunk(const float *x, long ldx, long K, long m0, long mb, float *xt) {
+    for (long m = 0; m < mb; m++) {
+        const float *row = x + (m0 + m) * ldx;
+        for (long k = 0; k < K; k++) xt[k * mb + m] = row[k];
+    }
+}
+
+static void thread_panels(const float *xt, const float *wp, long M, long N, long K, float *y,
+                          long ldy, long p_begin, long p_end) {
+    long chunk_bytes = K * MB_MAX * 4;
+    long group = L2_X_BYTES / chunk_bytes; /* x chunks per pass over the weights */
+    if (group < 1) group = 1;
+    long chunks = (M + MB_MAX - 1) / MB_MAX;
+    for (long g0 = 0; g0 < chunks; g0 += group) {
+        long g1 = g0 + group < chunks ? g0 + group : chunks;
+        for (long p = p_begin; p < p_end; p++) {
+            long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
+            for (long c = g0; c < g1; c++) {
+                long m0 = c * MB_MAX, mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
+                PANELS[mb](xt + m0 * K, 0, wp + p * K * P, K, y + m0 * ldy, ldy, n0, nvalid);
+            }
+        }
+    }
+}
+
+/* y[m * ldy + n] = sum_k x[m * ldx + k] * W[n, k], wp being W packed by tg_pack.
+ * Returns 0, -1 on bad arguments, -2 if the x buffer cannot be allocated. */
+int tg_linear_small_m(const float *x, long ldx, const float *wp, float *y, long ldy, long M,
+                      long N, long K, int nthreads) {
+    if (M < 1 || N < 1 || K < 1 || ldx < K || ldy < N || nthreads < 1) return -1;
+    long panels = (N + P - 1) / P;
+    if (nthreads > panels) nthreads = (int)panels;
+    if (M <= MB_MAX) { /* decode sizes: x read in place, every weight read once */
+#pragma omp parallel num_threads(nthreads)
+        {
+#ifdef _OPENMP
+            extern int omp_get_thread_num(void);
+            extern int omp_get_num_threads(void);
+            long t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+            long t = 0, nt = 1;
+#endif
+            long b = panels * t / nt, e = panels * (t + 1) / nt;
+            for (long p = b; p < e; p++) {
+                long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
+                DIRECT[M](x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid);
+            }
+        }
+        return 0;
+    }
+    long chunks = (M + MB_MAX - 1) / MB_MAX;
+    /* chunk c at xt + c * MB_MAX * K, laid out [K][mb] */
+    float *xt = malloc((size_t)M * (size_t)K * sizeof(float));
+    if (!xt) return -2;
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void);
+        extern int omp_get_num_threads(void);
+        long t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        long t = 0, nt = 1;
+#endif
+#pragma omp for schedule(static)
+        for (long c = 0; c < chunks; c++) {
+            long m0 = c * MB_MAX, mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
+            transpose_chunk(x, ldx, K, m0, mb, xt + m0 * K);
+        }
+        /* (implicit barrier: every chunk is transposed before any panel runs) */
+        long b = panels * t / nt, e = panels * (t + 1) / nt;
+        if (b < e) thread_panels(xt, wp, M, N, K, y, ldy, b, e);
+    }
+    free(xt);
+    return 0;
+}
+
+/* Lets the loader check that the library it opened is the one it built. */
+int tg_kernel_abi(void) { return 3; }

@@ -1,0 +1,175 @@
+"""The small-M fp32 kernel (model/kernels/gemv.c): against torch on every block-size edge,
+the fallback when it cannot be built, and the model / engine with it against oneDNN."""
+
+from __future__ import annotations
+
+import logging
+import random
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from tests.model.model_testkit import PagedCache, make_checkpoint
+
+from tailguard.core.request import EngineRequest, SamplingParams
+from tailguard.engine.config import EngineConfig
+from tailguard.engine.core import EngineCore
+from tailguard.model.embedded import default_model_dir
+from tailguard.model.kernels import SmallMKernel, load_small_m_kernel, small_m_unavailable_reason
+from tailguard.model.loader import load_model
+from tailguard.model.mistral import KernelLinear, MistralModel, PackedLinear
+
+
+@pytest.fixture(scope="session")
+def kernel() -> SmallMKernel:
+    """Built once per machine (cached under ~/.cache/tailguard/kernels), loaded once per session."""
+    k = load_small_m_kernel()
+    if k is None:
+        pytest.skip(f"small-M kernel unavailable here: {small_m_unavailable_reason()}")
+    return k
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().t()).float()
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    scale = max(1.0, want.abs().max().item())
+    err = (got - want).abs().max().item() if want.numel() else 0.0
+    assert err <= 1e-4 * scale, f"{what}: max error {err:.3g} (scale {scale:.3g})"
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kernel_matches_torch_on_every_block_edge(kernel: SmallMKernel, threads: int) -> None:
+    """M 1..16 and past the 12-row (AVX-512) / 6-row register chunks up to max_m, N around
+    the panel width (32 / 16 columns, the last panel zero-padded), odd K, 1-3 threads (more
+    threads than panels too)."""
+    g = torch.Generator().manual_seed(threads)
+    for m in [*range(1, 17), 23, 24, 25, 37, kernel.max_m]:
+        for n in (1, 3, 15, 16, 17, 31, 32, 33, 65, 97):
+            for k in (1, 7, 16, 17, 33, 100):
+                x = torch.randn(m, k, generator=g)
+                w = torch.randn(n, k, generator=g)
+                got = kernel.linear(x, kernel.pack(w), threads)
+                assert got.shape == (m, n) and got.dtype == torch.float32
+                _assert_close(got, _reference(x, w), f"M={m} N={n} K={k} threads={threads}")
+
+
+def test_kernel_reads_row_strided_inputs_and_model_sized_shapes(kernel: SmallMKernel) -> None:
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(8, 300, generator=g)
+    x = wide[:, 10:266]  # [8, 256] view, row stride 300: read in place
+    w = torch.randn(1536, 256, generator=g)
+    _assert_close(kernel.linear(x, kernel.pack(w)), _reference(x, w), "strided x")
+    for m, n, k in ((8, 5632, 1024), (8, 1024, 2816), (1, 32000, 64), (16, 1536, 1024)):
+        x = torch.randn(m, k, generator=g)
+        w = torch.randn(n, k, generator=g)
+        _assert_close(kernel.linear(x, kernel.pack(w)), _reference(x, w), f"M={m} N={n} K={k}")
+    w = torch.randn(40, 24, generator=g)
+    wt = w.t().contiguous().t()  # not contiguous: packed from a contiguous copy
+    x = torch.randn(3, 24, generator=g)
+    assert torch.equal(kernel.linear(x, kernel.pack(wt)), kernel.linear(x, kernel.pack(w)))
+
+
+def test_kernel_refuses_what_it_cannot_read(kernel: SmallMKernel) -> None:
+    w = kernel.pack(torch.randn(8, 16))
+    assert w.panels.shape == (1, 16, kernel.width) and w.nbytes == 16 * kernel.width * 4
+    with pytest.raises(ValueError, match="needs fp32 x"):
+        kernel.linear(torch.randn(2, 15), w)
+    with pytest.raises(ValueError, match="needs fp32 x"):
+        kernel.linear(torch.randn(2, 16, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="packs CPU fp32"):
+        kernel.pack(torch.randn(8, 16, dtype=torch.bfloat16))
+    assert kernel.applies(torch.randn(kernel.max_m, 16))
+    assert not kernel.applies(torch.randn(kernel.max_m + 1, 16))  # prefill rows: batched matmul
+    assert not kernel.applies(torch.randn(2, 16, dtype=torch.bfloat16))
+
+
+def _fake_compiler(folder: Path) -> Path:
+    """Answers --version like a compiler, fails every compile."""
+    cc = folder / "fakecc"
+    cc.write_text(
+        '#!/bin/sh\nif [ "$1" = --version ]; then echo fakecc 1.0; exit 0; fi\n'
+        'echo "fakecc: error: no such luck" >&2\nexit 1\n'
+    )
+    cc.chmod(cc.stat().st_mode | stat.S_IXUSR)
+    return cc
+
+
+def test_no_compiler_or_failed_build_falls_back_with_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    missing = str(tmp_path / "no-such-cc")
+    broken = str(_fake_compiler(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="tailguard.engine"):
+        for _ in range(2):  # the second ask is answered from the first, silently
+            assert load_small_m_kernel(missing, tmp_path / "k1") is None
+            assert load_small_m_kernel(broken, tmp_path / "k2") is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "small-M kernel unavailable, using oneDNN: no C compiler" in lines[0]
+    assert "no-such-cc" in lines[0]
+    assert "compiling gemv.c failed" in lines[1] and "no such luck" in lines[1]
+    assert small_m_unavailable_reason(missing, tmp_path / "k1") is not None
+    assert not list((tmp_path / "k2").glob("*")), "a failed build leaves no file behind"
+
+
+def _logits(model: MistralModel, prompts: list[list[int]]) -> torch.Tensor:
+    cache = PagedCache(model.config, num_blocks=80, block_size=4)
+    _, logits, _ = cache.run(model, [[(i, p) for i, p in enumerate(prompts)]])
+    return logits
+
+
+def test_model_with_failed_kernel_is_exactly_the_onednn_model(tmp_path: Path) -> None:
+    """The fallback is the oneDNN path itself: bit-identical logits."""
+    folder = make_checkpoint(tmp_path / "ckpt")
+    prompts = [[5, 9, 17, 3], [40, 2]]
+    onednn, _ = load_model(folder, dtype=torch.float32)
+    onednn.prepack()
+    missing = load_small_m_kernel(str(tmp_path / "no-such-cc"), tmp_path / "k")
+    fallback, _ = load_model(folder, dtype=torch.float32)
+    fallback.prepack(kernel=missing)
+    assert isinstance(fallback.layers[0].attn.wqkv, PackedLinear)
+    assert torch.equal(_logits(onednn, prompts), _logits(fallback, prompts))
+
+
+def test_model_with_kernel_matches_plain_model(kernel: SmallMKernel, tmp_path: Path) -> None:
+    """Every projection and the head on the kernel (decode-sized rows) or the batched matmul
+    over its panels (more rows): logits within fp32 rounding of the unpacked model."""
+    folder = make_checkpoint(tmp_path / "ckpt")
+    plain, _ = load_model(folder, dtype=torch.float32)
+    model, _ = load_model(folder, dtype=torch.float32)
+    model.prepack(kernel=kernel)
+    assert isinstance(model.layers[0].mlp.w13, KernelLinear)
+    assert model.lm_head is None
+    for rows in (3, 2 * kernel.max_m + 2):  # kernel rows, then the batched matmul's
+        prompts = [[(7 * i + j) % 250 + 3 for j in range(rows // 2)] for i in range(2)]
+        err = (_logits(model, prompts) - _logits(plain, prompts)).abs().max().item()
+        assert err < 1e-4, rows
+
+
+def _greedy(config: EngineConfig, prompts: list[list[int]]) -> dict[str, list[int]]:
+    core = EngineCore(config, Path(config.model_dir or ""))
+    lin = core.runner.model.layers[0].attn.wqkv
+    assert isinstance(lin, KernelLinear) == config.small_m_kernel
+    for i, p in enumerate(prompts):
+        sp = SamplingParams(max_tokens=24, ignore_eos=True)
+        core.add(EngineRequest(request_id=f"r{i}", prompt_token_ids=tuple(p), sampling=sp))
+    got: dict[str, list[int]] = {}
+    while core.has_work():
+        for o in core.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return got
+
+
+def test_engine_greedy_tokens_identical_with_and_without_kernel(kernel: SmallMKernel) -> None:
+    """The embedded model, fp32, 2 threads: decode steps of 1-12 sequences (kernel rows) and
+    prefills (oneDNN rows) give the same greedy tokens as oneDNN alone."""
+    folder = default_model_dir()
+    rng = random.Random(12)
+    prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(2, 40))] for _ in range(12)]
+    base = dict(model_dir=str(folder), dtype="float32", threads=2, warmup=False, nice=0)
+    with_kernel = _greedy(EngineConfig(**base, small_m_kernel=True), prompts)  # type: ignore[arg-type]
+    without = _greedy(EngineConfig(**base, small_m_kernel=False), prompts)  # type: ignore[arg-type]
+    assert with_kernel == without
