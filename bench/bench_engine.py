@@ -150,12 +150,22 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds per workload")
+    ap.add_argument(
+        "--small-m-kernel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="EngineConfig.small_m_kernel (--no-small-m-kernel: oneDNN, to A/B the kernel)",
+    )
     args = ap.parse_args()
     from transformers import MistralForCausalLM
 
     model_dir: Path = default_model_dir()
     # no HTTP process shares the machine here: the engine (and transformers) get every core
-    config = EngineConfig(model_dir=str(model_dir), threads=args.threads or available_cores())
+    config = EngineConfig(
+        model_dir=str(model_dir),
+        threads=args.threads or available_cores(),
+        small_m_kernel=args.small_m_kernel,
+    )
     torch.set_num_threads(config.threads)
     dtype = choose_dtype(config)
     gen, qs = workloads(args.requests, args.queries)

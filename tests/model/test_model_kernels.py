@@ -169,7 +169,25 @@ def test_engine_greedy_tokens_identical_with_and_without_kernel(kernel: SmallMKe
     folder = default_model_dir()
     rng = random.Random(12)
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(2, 40))] for _ in range(12)]
-    base = dict(model_dir=str(folder), dtype="float32", threads=2, warmup=False, nice=0)
+    base = dict(
+        model_dir=str(folder),
+        dtype="float32",
+        threads=2,
+        warmup=False,
+        nice=0,
+        small_m_kernel_min_mib=0.0,  # the embedded model is below the default size gate
+    )
     with_kernel = _greedy(EngineConfig(**base, small_m_kernel=True), prompts)  # type: ignore[arg-type]
     without = _greedy(EngineConfig(**base, small_m_kernel=False), prompts)  # type: ignore[arg-type]
     assert with_kernel == without
+
+
+def test_a_model_whose_weights_stay_in_cache_keeps_onednn(kernel: SmallMKernel) -> None:
+    """The size gate: the embedded model (71 MB) is below small_m_kernel_min_mib's default, so
+    the engine keeps oneDNN there even with the kernel available; at 0 it takes the kernel."""
+    base = dict(model_dir=str(default_model_dir()), dtype="float32", threads=2, warmup=False)
+    gated = EngineCore(EngineConfig(**base), default_model_dir())  # type: ignore[arg-type]
+    assert not isinstance(gated.runner.model.layers[0].attn.wqkv, KernelLinear)
+    forced = EngineConfig(**base, small_m_kernel_min_mib=0.0)  # type: ignore[arg-type]
+    core = EngineCore(forced, default_model_dir())
+    assert isinstance(core.runner.model.layers[0].attn.wqkv, KernelLinear)

@@ -87,6 +87,11 @@ class EngineConfig:
     50-75% of it; more rows run as a batched matmul over the same weights (one copy). Without
     a compiler, or if the build or its self-check fails, the engine logs one line saying why
     and uses oneDNN (`prepack_weights`). False: oneDNN only (A/B)."""
+    small_m_kernel_min_mib: float = 256.0
+    """Use the small-M kernel only for models whose weights take at least this many MiB: its
+    gain is streaming weights from memory, and a model that small stays in cache, where
+    oneDNN is as fast or faster (the 71 MB embedded model generated 10-13% slower on the
+    kernel: bench_engine.py, session 21). 0: always (tests)."""
     oom_test_hook: str | None = None
     """Tests only: request ids (comma-separated) whose batches raise OutOfMemoryError."""
 
