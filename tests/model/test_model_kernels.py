@@ -81,9 +81,8 @@ def test_kernel_refuses_what_it_cannot_read(kernel: SmallMKernel) -> None:
         kernel.linear(torch.randn(2, 16, dtype=torch.float64), w)
     with pytest.raises(ValueError, match="packs CPU fp32"):
         kernel.pack(torch.randn(8, 16, dtype=torch.bfloat16))
-    assert kernel.applies(torch.randn(kernel.max_m, 16))
-    assert not kernel.applies(torch.randn(kernel.max_m + 1, 16))  # prefill rows: batched matmul
-    assert not kernel.applies(torch.randn(2, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="needs fp32 x"):
+        kernel.linear(torch.randn(2, 16, dtype=torch.bfloat16), w)
 
 
 def _fake_compiler(folder: Path) -> Path:
@@ -143,7 +142,7 @@ def test_model_with_kernel_matches_plain_model(kernel: SmallMKernel, tmp_path: P
     model.prepack(kernel=kernel)
     assert isinstance(model.layers[0].mlp.w13, KernelLinear)
     assert model.lm_head is None
-    for rows in (3, 2 * kernel.max_m + 2):  # kernel rows, then the batched matmul's
+    for rows in (3, 2 * kernel.max_m + 2):  # decode-sized rows, then prefill-sized
         prompts = [[(7 * i + j) % 250 + 3 for j in range(rows // 2)] for i in range(2)]
         err = (_logits(model, prompts) - _logits(plain, prompts)).abs().max().item()
         assert err < 1e-4, rows
@@ -169,25 +168,7 @@ def test_engine_greedy_tokens_identical_with_and_without_kernel(kernel: SmallMKe
     folder = default_model_dir()
     rng = random.Random(12)
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(2, 40))] for _ in range(12)]
-    base = dict(
-        model_dir=str(folder),
-        dtype="float32",
-        threads=2,
-        warmup=False,
-        nice=0,
-        small_m_kernel_min_mib=0.0,  # the embedded model is below the default size gate
-    )
+    base = dict(model_dir=str(folder), dtype="float32", threads=2, warmup=False, nice=0)
     with_kernel = _greedy(EngineConfig(**base, small_m_kernel=True), prompts)  # type: ignore[arg-type]
     without = _greedy(EngineConfig(**base, small_m_kernel=False), prompts)  # type: ignore[arg-type]
     assert with_kernel == without
-
-
-def test_a_model_whose_weights_stay_in_cache_keeps_onednn(kernel: SmallMKernel) -> None:
-    """The size gate: the embedded model (71 MB) is below small_m_kernel_min_mib's default, so
-    the engine keeps oneDNN there even with the kernel available; at 0 it takes the kernel."""
-    base = dict(model_dir=str(default_model_dir()), dtype="float32", threads=2, warmup=False)
-    gated = EngineCore(EngineConfig(**base), default_model_dir())  # type: ignore[arg-type]
-    assert not isinstance(gated.runner.model.layers[0].attn.wqkv, KernelLinear)
-    forced = EngineConfig(**base, small_m_kernel_min_mib=0.0)  # type: ignore[arg-type]
-    core = EngineCore(forced, default_model_dir())
-    assert isinstance(core.runner.model.layers[0].attn.wqkv, KernelLinear)

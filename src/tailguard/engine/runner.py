@@ -98,15 +98,6 @@ class ModelRunner:
         None; a wrong dtype or device is said once here, a failed build by the loader."""
         if not self.config.small_m_kernel:
             return None
-        mib = sum(p.numel() * p.element_size() for p in self.model.parameters()) / 2**20
-        if mib < self.config.small_m_kernel_min_mib:
-            log.info(
-                "tailguard: small-M kernel not used: %.0f MiB of weights stay in cache "
-                "(small_m_kernel_min_mib %g); oneDNN is as fast there",
-                mib,
-                self.config.small_m_kernel_min_mib,
-            )
-            return None
         if self.device.type != "cpu" or self.dtype != torch.float32:
             log.warning(
                 "tailguard: small-M kernel is for CPU fp32, this engine runs %s on %s: "

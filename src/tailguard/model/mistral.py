@@ -113,16 +113,17 @@ class PackedLinear(nn.Module):
 
 
 class KernelLinear(nn.Module):
-    """A bias-free fp32 linear on our own kernel's weight layout (kernels/gemv.c): the kernel
-    itself for up to `kernel.max_m` rows (decode steps, the head), torch's batched matmul
-    (MKL / oneDNN) over the same panels above that. One copy of the weight: the panels
-    replace the plain [out, in] weight.
+    """A bias-free fp32 linear on our own kernel's weight layout (kernels/gemv.c), run on the
+    kernel for every row count. One copy of the weight: the panels replace the plain [out,
+    in] weight.
 
     Why: at decode sizes oneDNN's fp32 kernel streams the weights at 50-75% of the read
     bandwidth; the kernel reaches about all of it up to 8 rows and beats oneDNN up to 64
-    (docs/benchmarks.md, issue 12, session 21). For more rows (prefill) the work is
-    compute-bound and a batched matmul over the panels ([M, K] x [K, 32] per panel) is as fast
-    as oneDNN's packed weights within a few percent.
+    (docs/benchmarks.md, issue 12, session 21). Above that the work is compute-bound and the
+    kernel is within a few percent of oneDNN (M's head 10% behind at 128-256 rows, ahead at
+    1,024), where the batched matmul over the panels ran the embedded model's [32000 x 256]
+    head at 256 rows in twice oneDNN's time (31.9 vs 16.1 ms) and slowed its generation
+    benchmark 10-13%.
     """
 
     panels: Tensor  # [N/P, K, P] fp32: the weight in the kernel's layout
@@ -136,14 +137,9 @@ class KernelLinear(nn.Module):
         self.register_buffer("panels", self.weight.panels, persistent=False)  # [N/P, K, P]
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernel.applies(x):
-            if x.stride(-1) != 1:
-                x = x.contiguous()
-            return self.kernel.linear(x, self.weight)
-        m, n = x.shape[0], self.out_features
-        y = torch.matmul(x, self.panels)  # [N/P, M, P]
-        y = y.permute(1, 0, 2).reshape(m, -1)  # [M, N/P * P]
-        return y if y.shape[1] == n else y[:, :n].contiguous()
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return self.kernel.linear(x, self.weight)  # a clear ValueError for what it cannot read
 
 
 class RMSNorm(nn.Module):
@@ -323,8 +319,7 @@ class MistralModel(nn.Module):
     def prepack(self, pack: bool = True, kernel: SmallMKernel | None = None) -> None:
         """Replace every projection and the output head by faster linears (CPU inference).
 
-        kernel: our small-M kernel's layout (`KernelLinear`, fp32 only; the kernel for
-        decode-sized rows, a batched matmul over the same panels above). Else, with `pack`,
+        kernel: our small-M kernel's layout (`KernelLinear`, fp32 only). Else, with `pack`,
         oneDNN-packed weights (`PackedLinear`). The plain weights are dropped (tied: the
         embedding stays), so `load_hf_weights` and `state_dict` no longer apply. Inference
         only, after loading; idempotent; a no-op where neither applies.

@@ -41,9 +41,10 @@ SOURCE = Path(__file__).with_name("gemv.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ABI = 3  # tg_kernel_abi() of the source this module expects
 
-# Rows up to which the kernel beats oneDNN's fp32 matmul: measured on the 2-core AVX-512 Xeon
-# (docs/benchmarks.md, issue 12, session 21) 0.7x its time at 16-32 rows, 0.85-0.95x at 64,
-# 1.0-1.1x at 128-256. The engine dispatches on the rows at call time.
+# Rows up to which the kernel clearly beats oneDNN's fp32 matmul: measured on the 2-core
+# AVX-512 Xeon (docs/benchmarks.md, issue 12, session 21) 0.7x its time at 16-32 rows,
+# 0.85-0.95x at 64, 0.9-1.1x at 128-1,024. The engine runs every row count on it; the
+# self-check covers up to this size.
 MAX_M = 64
 
 _loaded: dict[tuple[str, str], SmallMKernel | str] = {}  # (compiler, cache dir) -> kernel | why not
@@ -75,8 +76,7 @@ class PanelWeight:
 
 
 class SmallMKernel:
-    """y = x @ w^T for fp32 x [M, K] (M <= max_m for the engine's dispatch; any M computes)
-    and w packed once by `pack` from [N, K]."""
+    """y = x @ w^T for fp32 x [M, K] (any M) and w packed once by `pack` from [N, K]."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path, max_m: int = MAX_M) -> None:
         self.path = path
@@ -103,15 +103,6 @@ class SmallMKernel:
         panels = torch.empty(-(-n // self.width), k, self.width, dtype=torch.float32)
         self._pack(w.data_ptr(), panels.data_ptr(), n, k)
         return PanelWeight(panels, n, k)
-
-    def applies(self, x: Tensor) -> bool:
-        """Whether the engine runs x on the kernel (else the caller's oneDNN path)."""
-        return (
-            x.dim() == 2
-            and x.shape[0] <= self.max_m
-            and x.dtype == torch.float32
-            and x.device.type == "cpu"
-        )
 
     def linear(self, x: Tensor, w: PanelWeight, threads: int | None = None) -> Tensor:
         """[M, K] x [N, K]^T -> [M, N]. x may have a row stride (a view of wider rows): the
