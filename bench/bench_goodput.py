@@ -43,7 +43,7 @@ import aiohttp
 from bench_batch import _run, run_tailguard
 from tailguard.tools.batch.report import percentile
 from tailguard.tools.lab.procs import free_port, serving
-from tailguard.tools.load.server_metrics import HistogramSnapshot, scrape
+from tailguard.tools.load.server_metrics import HistogramSnapshot, scrape_many
 
 WORDS = (  # noqa: SIM905 (a sentence reads better than 41 quoted words)
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
@@ -295,10 +295,12 @@ async def measured_level(
     base: str, w: Workload, rate: float, seconds: float, sla_s: float, seed: int
 ) -> OpenLevel:
     """`open_loop`, with the server's prediction-ratio histogram scraped around it."""
-    url = base + "/metrics"
-    before, ttft0 = await scrape(url, PREDICTION_RATIO), await scrape(url, SERVER_TTFT)
+    url, names = base + "/metrics", (PREDICTION_RATIO, SERVER_TTFT)
+    first = await scrape_many(url, names)
     lv = await open_loop(base, w, rate, seconds, sla_s, seed)
-    after, ttft1 = await scrape(url, PREDICTION_RATIO), await scrape(url, SERVER_TTFT)
+    last = await scrape_many(url, names)
+    before, after = first[PREDICTION_RATIO], last[PREDICTION_RATIO]
+    ttft0, ttft1 = first[SERVER_TTFT], last[SERVER_TTFT]
     lv.ratio_p50, lv.ratio_p90, lv.ratio_p99 = ratio_quantiles(before, after)
     n = ttft1.count - ttft0.count
     if w.stream and n > 0 and sla_s in ttft1.buckets:

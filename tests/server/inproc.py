@@ -103,10 +103,10 @@ async def running_app(**kw: Any) -> Any:
     cfg = make_config(**kw)
     app = build_app(cfg)
     await app.startup()
-    fitted = cfg.engine != "simulated" or cfg.admission != "on"
+    no_fit = cfg.engine != "simulated" or cfg.admission != "on"  # no warm-up steps to fit
     try:
         await until(
-            lambda: app.engine.ready and (fitted or app.admission.cost.fitted), READY_TIMEOUT_S
+            lambda: app.engine.ready and (no_fit or app.admission.cost.fitted), READY_TIMEOUT_S
         )
     except AssertionError:
         await app.shutdown()

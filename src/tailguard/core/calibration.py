@@ -16,7 +16,7 @@ import math
 from bisect import bisect_left
 from collections import deque
 
-__all__ = ["EDGES_S", "Calibration", "RecentMax", "StepCostModel"]
+__all__ = ["EDGES_S", "Calibration", "RecentMax", "StepCostModel", "padded"]
 
 
 class StepCostModel:
@@ -102,7 +102,7 @@ class StepCostModel:
             return  # one size cannot tell fixed from per-token cost: keep the prior's shape
         heads = [(float(r), y) for x, r, y in self._first if x == 0]
         c = max(_slope(heads), 0.0) if len({r for r, _ in heads}) >= 2 and self.rows else 0.0
-        points = [(float(self._pad(x, self.token_buckets)), y - c * r) for x, r, y in forwards]
+        points = [(padded(x, self.token_buckets), y - c * r) for x, r, y in forwards]
         b = _slope(points)
         n = len(points)
         a = (sum(y for _, y in points) - b * sum(x for x, _ in points)) / n
@@ -117,14 +117,14 @@ class StepCostModel:
         return self.level * self._shape(num_tokens, rows)
 
     def _shape(self, num_tokens: float, rows: float) -> float:
-        tokens = self._pad(num_tokens, self.token_buckets)
-        return self.a0 + self.b0 * tokens + self.c0 * self._pad(rows, self.row_buckets)
+        tokens = padded(num_tokens, self.token_buckets)
+        return self.a0 + self.b0 * tokens + self.c0 * padded(rows, self.row_buckets)
 
-    @staticmethod
-    def _pad(n: float, buckets: tuple[int, ...]) -> float:
-        """The bucket `n` runs as (itself past the last bucket, or when there are none)."""
-        i = bisect_left(buckets, n)
-        return buckets[i] if i < len(buckets) and n > 0 else n
+
+def padded(n: float, buckets: tuple[int, ...]) -> float:
+    """The bucket `n` runs as (itself past the last bucket, or when there are none)."""
+    i = bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) and n > 0 else n
 
 
 def _slope(points: list[tuple[float, float]]) -> float:

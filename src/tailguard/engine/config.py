@@ -84,7 +84,7 @@ class EngineConfig:
     (model/kernels/gemv.c, compiled at first use with the system C compiler into
     ~/.cache/tailguard/kernels) and run every matmul on it: at decode sizes (up to ~64 rows)
     it streams the weights at about the read bandwidth where oneDNN's fp32 kernel reaches
-    50-75% of it, and above that it is within about 10% of oneDNN (one copy). Without
+    50-75% of it; above that its prefill step measured the same as oneDNN's (one copy). Without
     a compiler, or if the build or its self-check fails, the engine logs one line saying why
     and uses oneDNN (`prepack_weights`). False: oneDNN only (A/B)."""
     oom_test_hook: str | None = None

@@ -119,22 +119,19 @@ class KernelLinear(nn.Module):
 
     Why: at decode sizes oneDNN's fp32 kernel streams the weights at 50-75% of the read
     bandwidth; the kernel reaches about all of it up to 8 rows and beats oneDNN up to 64
-    (docs/benchmarks.md, issue 12, session 21). Above that the work is compute-bound and the
-    kernel is within a few percent of oneDNN (M's head 10% behind at 128-256 rows, ahead at
-    1,024), where the batched matmul over the panels ran the embedded model's [32000 x 256]
-    head at 256 rows in twice oneDNN's time (31.9 vs 16.1 ms) and slowed its generation
-    benchmark 10-13%.
+    (docs/benchmarks.md, issue 12, session 21). Above that the work is compute-bound: per
+    matmul the kernel measured from 10% faster to 23% slower than oneDNN in two noisy micro
+    runs, and the 246M model's 8 x 32-token prefill step the same (417-444 vs 378-427 ms). A
+    batched matmul over the panels, the first dispatch above 64 rows, ran the embedded model's
+    generation benchmark 10-13% slower.
     """
-
-    panels: Tensor  # [N/P, K, P] fp32: the weight in the kernel's layout
 
     def __init__(self, weight: Tensor, kernel: SmallMKernel) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.kernel = kernel
-        self.weight = kernel.pack(weight)
-        self.register_buffer("panels", self.weight.panels, persistent=False)  # [N/P, K, P]
+        self.weight = kernel.pack(weight)  # [N/P, K, P] panels
 
     def forward(self, x: Tensor) -> Tensor:
         if x.stride(-1) != 1:

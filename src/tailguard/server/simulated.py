@@ -19,9 +19,9 @@ import asyncio
 import contextlib
 import math
 import time
-from bisect import bisect_left
 
 from tailguard.core.block_pool import BlockPool
+from tailguard.core.calibration import padded
 from tailguard.core.request import EngineRequest, RequestKind
 from tailguard.core.scheduler import Scheduler, SchedulerOutput, SeqResult
 from tailguard.core.stats import EngineStats, StepLog, StepStats, warmup_step
@@ -95,7 +95,7 @@ class SimulatedEngineClient(RoutedClient):
 
     def _padded_s(self, num_tokens: int) -> float:
         """The forward's time for `num_tokens`, run at their token bucket."""
-        return _pad(num_tokens, self.token_buckets) / self.tokens_per_s
+        return padded(num_tokens, self.token_buckets) / self.tokens_per_s
 
     async def close(self) -> None:
         self._ready = False
@@ -184,18 +184,12 @@ class SimulatedEngineClient(RoutedClient):
                 step_s=step_s,
                 num_seqs=seqs,
                 num_tokens=tokens,
-                padded_seqs=_pad(seqs, self.seq_buckets),
-                padded_tokens=_pad(tokens, self.token_buckets),
+                padded_seqs=int(padded(seqs, self.seq_buckets)),
+                padded_tokens=int(padded(tokens, self.token_buckets)),
                 num_prefill_tokens=tokens - decode,
                 num_decode_tokens=decode,
             )
         )
-
-
-def _pad(n: int, buckets: tuple[int, ...]) -> int:
-    """The bucket `n` runs as (itself past the last bucket, or when there are none)."""
-    i = bisect_left(buckets, n)
-    return buckets[i] if i < len(buckets) else n
 
 
 def _fake_results(plan: SchedulerOutput) -> list[SeqResult]:

@@ -1,17 +1,9 @@
 """Compiled kernels of our own, built at first use with the system C compiler."""
 
 from tailguard.model.kernels.small_m import (
-    MAX_M,
-    PanelWeight,
     SmallMKernel,
     load_small_m_kernel,
     small_m_unavailable_reason,
 )
 
-__all__ = [
-    "MAX_M",
-    "PanelWeight",
-    "SmallMKernel",
-    "load_small_m_kernel",
-    "small_m_unavailable_reason",
-]
+__all__ = ["SmallMKernel", "load_small_m_kernel", "small_m_unavailable_reason"]

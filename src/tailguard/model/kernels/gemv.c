@@ -176,6 +176,19 @@ static void thread_panels(const float *xt, const float *wp, long M, long N, long
     }
 }
 
+/* The calling thread's share [b, e) of `panels` panels, inside a parallel region. */
+static void my_panels(long panels, long *b, long *e) {
+#ifdef _OPENMP
+    extern int omp_get_thread_num(void);
+    extern int omp_get_num_threads(void);
+    long t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    long t = 0, nt = 1;
+#endif
+    *b = panels * t / nt;
+    *e = panels * (t + 1) / nt;
+}
+
 /* y[m * ldy + n] = sum_k x[m * ldx + k] * W[n, k], wp being W packed by tg_pack.
  * Returns 0, -1 on bad arguments, -2 if the x buffer cannot be allocated. */
 int tg_linear_small_m(const float *x, long ldx, const float *wp, float *y, long ldy, long M,
@@ -186,14 +199,8 @@ int tg_linear_small_m(const float *x, long ldx, const float *wp, float *y, long 
     if (M <= MB_MAX) { /* decode sizes: x read in place, every weight read once */
 #pragma omp parallel num_threads(nthreads)
         {
-#ifdef _OPENMP
-            extern int omp_get_thread_num(void);
-            extern int omp_get_num_threads(void);
-            long t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-            long t = 0, nt = 1;
-#endif
-            long b = panels * t / nt, e = panels * (t + 1) / nt;
+            long b, e;
+            my_panels(panels, &b, &e);
             for (long p = b; p < e; p++) {
                 long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
                 DIRECT[M](x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid);
@@ -207,20 +214,14 @@ int tg_linear_small_m(const float *x, long ldx, const float *wp, float *y, long 
     if (!xt) return -2;
 #pragma omp parallel num_threads(nthreads)
     {
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        extern int omp_get_num_threads(void);
-        long t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        long t = 0, nt = 1;
-#endif
 #pragma omp for schedule(static)
         for (long c = 0; c < chunks; c++) {
             long m0 = c * MB_MAX, mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
             transpose_chunk(x, ldx, K, m0, mb, xt + m0 * K);
         }
         /* (implicit barrier: every chunk is transposed before any panel runs) */
-        long b = panels * t / nt, e = panels * (t + 1) / nt;
+        long b, e;
+        my_panels(panels, &b, &e);
         if (b < e) thread_panels(xt, wp, M, N, K, y, ldy, b, e);
     }
     free(xt);

@@ -43,8 +43,8 @@ ABI = 3  # tg_kernel_abi() of the source this module expects
 
 # Rows up to which the kernel clearly beats oneDNN's fp32 matmul: measured on the 2-core
 # AVX-512 Xeon (docs/benchmarks.md, issue 12, session 21) 0.7x its time at 16-32 rows,
-# 0.85-0.95x at 64, 0.9-1.1x at 128-1,024. The engine runs every row count on it; the
-# self-check covers up to this size.
+# 0.85-0.95x at 64; 0.9-1.23x at 128-1,024 (noisy). The engine runs every row count on it;
+# the self-check covers up to this size.
 MAX_M = 64
 
 _loaded: dict[tuple[str, str], SmallMKernel | str] = {}  # (compiler, cache dir) -> kernel | why not

@@ -20,6 +20,7 @@ __all__ = [
     "compare",
     "parse_histogram",
     "scrape",
+    "scrape_many",
 ]
 
 DEFAULT_HISTOGRAM = "mistral_inference_latency_seconds"  # docs/metrics.md
@@ -86,8 +87,13 @@ def _value(line: str) -> float:
 
 async def scrape(url: str | None, name: str = DEFAULT_HISTOGRAM) -> HistogramSnapshot:
     """GET url with a session of its own, so no load-test connection is pre-warmed."""
+    return (await scrape_many(url, (name,)))[name]
+
+
+async def scrape_many(url: str | None, names: tuple[str, ...]) -> dict[str, HistogramSnapshot]:
+    """`scrape` of several histograms from one GET."""
     if url is None:
-        return HistogramSnapshot({}, 0.0, "no --metrics-url")
+        return dict.fromkeys(names, HistogramSnapshot({}, 0.0, "no --metrics-url"))
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session,
@@ -95,11 +101,14 @@ async def scrape(url: str | None, name: str = DEFAULT_HISTOGRAM) -> HistogramSna
         ):
             text = await resp.text()
             if resp.status != 200:
-                return HistogramSnapshot({}, 0.0, f"GET {url}: http {resp.status}")
+                return dict.fromkeys(
+                    names, HistogramSnapshot({}, 0.0, f"GET {url}: http {resp.status}")
+                )
     except Exception as exc:  # the run still counts; the server-side half is marked missing
-        return HistogramSnapshot({}, 0.0, f"GET {url}: {type(exc).__name__}: {exc}")
+        failed = HistogramSnapshot({}, 0.0, f"GET {url}: {type(exc).__name__}: {exc}")
+        return dict.fromkeys(names, failed)
     # No series yet is fine before the run: a labelled histogram appears on first use.
-    return parse_histogram(text, name)
+    return {name: parse_histogram(text, name) for name in names}
 
 
 def compare(
