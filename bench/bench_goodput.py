@@ -137,6 +137,28 @@ class Level:
     errors: int
 
 
+ENGINE_STEP = "tailguard_engine_step_seconds"
+BATCH_SIZE = "tailguard_batch_size"
+
+
+CPU_SECONDS = "tailguard_process_cpu_seconds_total{"
+
+
+async def process_cpu(url: str) -> dict[str, float]:
+    """The server's CPU seconds so far, by process (http, engine)."""
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s,
+        s.get(url) as r,
+    ):
+        text = await r.text()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(CPU_SECONDS):
+            label = line.split('process="', 1)[1].split('"', 1)[0]
+            out[label] = float(line.rsplit(None, 1)[1])
+    return out
+
+
 async def closed_loop(
     base: str, w: Workload, conc: int, seconds: float, seed: int, warm_s: float = 0.5
 ) -> tuple[list[float], int]:
@@ -167,12 +189,27 @@ async def measure_level(
     run per level (session 17). Throughput is the pooled answers over the pooled time."""
     ok: list[float] = []
     errors = 0
+    names = (ENGINE_STEP, BATCH_SIZE)
+    first, cpu0 = await scrape_many(base + "/metrics", names), await process_cpu(base + "/metrics")
+    t0, client0 = time.monotonic(), time.process_time()
     for r in range(repeats):
         if r:
             await asyncio.sleep(gap_s)
         got, bad = await closed_loop(base, w, conc, seconds, seed=conc * 100 + r)
         ok += got
         errors += bad
+    wall, client = time.monotonic() - t0, time.process_time() - client0
+    last, cpu1 = await scrape_many(base + "/metrics", names), await process_cpu(base + "/metrics")
+    steps = last[ENGINE_STEP].count - first[ENGINE_STEP].count
+    if steps > 0:
+        busy = last[ENGINE_STEP].sum - first[ENGINE_STEP].sum
+        seqs = (last[BATCH_SIZE].sum - first[BATCH_SIZE].sum) / steps
+        cores = " ".join(f"{k} {(cpu1[k] - cpu0.get(k, 0.0)) / wall:.2f}" for k in sorted(cpu1))
+        print(
+            f"      engine: {busy / steps * 1e3:.1f} ms steps of {seqs:.1f} seqs, busy "
+            f"{busy / wall:.0%}; cores: {cores} client {client / wall:.2f}",
+            flush=True,
+        )
     return Level(conc, len(ok) / (seconds * repeats), pct(ok, 99) * 1e3, errors)
 
 
@@ -222,6 +259,10 @@ class OpenLevel:
     send_lag_p99_ms: float = math.nan  # the load client's own lag before sending
     server_in_time: float = math.nan  # stream: share of the server's TTFT (read -> first token
     # taken by the handler) within the SLA; the rest of the client's lateness is outside it
+    cpu: str = ""  # cores used during the level: the server's processes and the load client
+    engine_busy: float = math.nan  # share of the level's wall time the engine spent in steps
+    step_ms: float = math.nan  # mean engine step
+    seqs_per_step: float = math.nan  # mean sequences per engine step
 
     @property
     def goodput_share(self) -> float:
@@ -295,10 +336,19 @@ async def measured_level(
     base: str, w: Workload, rate: float, seconds: float, sla_s: float, seed: int
 ) -> OpenLevel:
     """`open_loop`, with the server's prediction-ratio histogram scraped around it."""
-    url, names = base + "/metrics", (PREDICTION_RATIO, SERVER_TTFT)
-    first = await scrape_many(url, names)
+    url, names = base + "/metrics", (PREDICTION_RATIO, SERVER_TTFT, ENGINE_STEP, BATCH_SIZE)
+    first, cpu0 = await scrape_many(url, names), await process_cpu(url)
+    t0, client0 = time.monotonic(), time.process_time()
     lv = await open_loop(base, w, rate, seconds, sla_s, seed)
-    last = await scrape_many(url, names)
+    wall, client = time.monotonic() - t0, time.process_time() - client0
+    last, cpu1 = await scrape_many(url, names), await process_cpu(url)
+    lv.cpu = " ".join(f"{k} {(cpu1[k] - cpu0.get(k, 0.0)) / wall:.2f}" for k in sorted(cpu1))
+    lv.cpu += f" client {client / wall:.2f}"
+    steps = last[ENGINE_STEP].count - first[ENGINE_STEP].count
+    if steps > 0:
+        busy = last[ENGINE_STEP].sum - first[ENGINE_STEP].sum
+        lv.engine_busy, lv.step_ms = busy / wall, busy / steps * 1e3
+        lv.seqs_per_step = (last[BATCH_SIZE].sum - first[BATCH_SIZE].sum) / steps
     before, after = first[PREDICTION_RATIO], last[PREDICTION_RATIO]
     ttft0, ttft1 = first[SERVER_TTFT], last[SERVER_TTFT]
     lv.ratio_p50, lv.ratio_p90, lv.ratio_p99 = ratio_quantiles(before, after)
@@ -441,7 +491,9 @@ def main() -> int:
                         f"{lv.goodput:.0f}/s refused {lv.refused}/{lv.sent}, actual/planned "
                         f"p50 {lv.ratio_p50:g} p90 {lv.ratio_p90:g} p99 {lv.ratio_p99:g}"
                         + (f", server TTFT in time {lv.server_in_time:.2%}" * w.stream)
-                        + f", client send lag p99 {lv.send_lag_p99_ms:.1f} ms",
+                        + f", client send lag p99 {lv.send_lag_p99_ms:.1f} ms"
+                        + f", engine busy {lv.engine_busy:.0%} ({lv.step_ms:.1f} ms steps of"
+                        f" {lv.seqs_per_step:.1f} seqs), cores: {lv.cpu}",
                         flush=True,
                     )
                     time.sleep(a.gap_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 
@@ -20,6 +21,7 @@ from tailguard.engine.buckets import (
     block_ladder,
     bucket_for,
     group_shape,
+    spread,
     step_keys,
 )
 from tailguard.engine.config import EngineConfig
@@ -104,6 +106,44 @@ def test_attention_shapes_cover_every_group_the_budgets_allow() -> None:
         tables = [rng.randint(-(-new // bs), 2048 // bs) for new in news]
         assert group_shape(n, max(news), max(tables), ladder) in shapes
     assert ("attn", 32, 256, 4) not in shapes  # 17+ sequences of 129+ tokens: over budget
+
+
+def test_groups_pad_to_the_sequence_buckets_and_every_budgeted_group_is_covered() -> None:
+    """With the engine's sequence buckets as the group ladder, a 65-sequence decode attends as
+    72, not 128; random groups that fit the budgets are all in the warm-up set."""
+    groups = EngineConfig().seq_buckets
+    ladder = block_ladder(2048 // 16)
+    assert group_shape(65, 1, 4, ladder, groups) == ("attn", 72, 1, 4)
+    assert group_shape(65, 1, 4, ladder) == ("attn", 128, 1, 4)
+    seqs, budget, bs = 96, 512, 16
+    shapes = set(attention_shapes(seqs, budget, bs, ladder, groups))
+    assert {k[1] for k in shapes} == {g for g in groups if g <= 96}
+    rng = random.Random(5)
+    for _ in range(20_000):
+        decode = rng.random() < 0.3
+        n = rng.randint(1, seqs if decode else budget // 2)
+        news = [1] * n if decode else [rng.randint(2, budget) for _ in range(n)]
+        if sum(news) > budget:
+            continue
+        tables = [rng.randint(-(-new // bs), 2048 // bs) for new in news]
+        assert group_shape(n, max(news), max(tables), ladder, groups) in shapes
+
+
+def test_spread_takes_a_geometric_subset_with_both_ends() -> None:
+    buckets = EngineConfig().token_buckets
+    picked = spread(buckets)
+    assert picked[0] == buckets[0] and picked[-1] == buckets[-1]
+    assert set(picked) <= set(buckets)
+    assert all(b >= 1.5 * a for a, b in itertools.pairwise(picked[:-1]))
+    assert len(picked) < len(buckets) // 2
+    assert spread((4,)) == [4] and spread((4, 5)) == [4, 5]
+
+
+def test_default_buckets_pad_by_at_most_an_eighth_from_32() -> None:
+    c = EngineConfig()
+    for buckets, top in ((c.seq_buckets, 256), (c.token_buckets, 1024)):
+        assert max(bucket_for(buckets, n) / n for n in range(32, top + 1)) <= 1.25
+        assert max(bucket_for(buckets, n) / n for n in range(64, top + 1)) <= 1.125
 
 
 def test_shape_tracker_reports_op_shapes_new_after_warmup() -> None:

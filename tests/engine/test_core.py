@@ -224,8 +224,8 @@ def test_an_escaped_attention_shape_fails_the_no_new_shape_check(
     warm = core.stats().distinct_shapes
     padded = runner_mod.group_shape
 
-    def unpadded_blocks(n: int, q: int, blocks: int, ladder: tuple[int, ...]) -> tuple:
-        key = padded(n, q, blocks, ladder)
+    def unpadded_blocks(n: int, q: int, blocks: int, *ladders: tuple[int, ...]) -> tuple:
+        key = padded(n, q, blocks, *ladders)
         return (*key[:3], blocks)
 
     monkeypatch.setattr(runner_mod, "group_shape", unpadded_blocks)

@@ -37,7 +37,7 @@ def test_allocator_check_fails_on_an_escaped_shape(
 
     padded = runner_mod.group_shape
     monkeypatch.setattr(
-        runner_mod, "group_shape", lambda n, q, b, ladder: (*padded(n, q, b, ladder)[:3], b)
+        runner_mod, "group_shape", lambda n, q, b, *ladders: (*padded(n, q, b, *ladders)[:3], b)
     )
     core = gc._engine(
         tiny_model_dir,

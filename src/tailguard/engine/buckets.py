@@ -5,7 +5,7 @@ A step's shape is decomposed into the shapes of the ops that see it, and each is
     ("tokens", T)         every dense op (embedding, projections, MLP, norms): T flat tokens,
                           a token bucket
     ("logits", S)         the output head over S rows: a sequence bucket
-    ("attn", G, Q, B)     one attention group: G sequences (a power of two), Q queries each
+    ("attn", G, Q, B)     one attention group: G sequences (a sequence bucket), Q queries each
                           (1 for decodes, else a power of two >= 16), B blocks of context each
                           (a `block_ladder` step: 4, 6, 8, 12, 16, 24, ...; at most 1.5x padding)
 
@@ -60,10 +60,18 @@ def pad_query(n: int) -> int:
     return 1 if n == 1 else pow2_at_least(n, QUERY_MIN)
 
 
-def group_shape(num_seqs: int, max_new: int, max_blocks: int, ladder: Sequence[int]) -> ShapeKey:
+def group_shape(
+    num_seqs: int,
+    max_new: int,
+    max_blocks: int,
+    ladder: Sequence[int],
+    groups: Sequence[int] | None = None,
+) -> ShapeKey:
     """The padded ("attn", G, Q, B) of a group of `num_seqs` sequences whose longest chunk has
-    `max_new` tokens and longest block table `max_blocks` entries."""
-    return ("attn", pow2_at_least(num_seqs), pad_query(max_new), bucket_for(ladder, max_blocks))
+    `max_new` tokens and longest block table `max_blocks` entries; G is the smallest of
+    `groups` (the engine's sequence buckets; None: powers of two) that holds them."""
+    g = pow2_at_least(num_seqs) if groups is None else bucket_for(groups, num_seqs)
+    return ("attn", g, pad_query(max_new), bucket_for(ladder, max_blocks))
 
 
 def _previous(values: Sequence[int], v: int) -> int:
@@ -72,30 +80,51 @@ def _previous(values: Sequence[int], v: int) -> int:
 
 
 def attention_shapes(
-    max_num_seqs: int, max_num_batched_tokens: int, block_size: int, ladder: Sequence[int]
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    block_size: int,
+    ladder: Sequence[int],
+    groups: Sequence[int] | None = None,
 ) -> list[ShapeKey]:
-    """Every attention group shape the scheduler can produce under these budgets.
+    """Every attention group shape the scheduler can produce under these budgets, with G from
+    `groups` as in `group_shape`.
 
     Decodes: any G up to the sequence budget, any B. Prefill chunks (2+ new tokens each): a
-    group padded to (G, Q) holds more than G/2 sequences, one with more than Q/2 new tokens,
-    the rest with 2+; it fits the token budget, and its longest table holds that chunk.
+    group padded to (G, Q) holds more sequences than the G below it, one with more than Q/2 new
+    tokens, the rest with 2+; it fits the token budget, and its longest table holds that chunk.
     """
-    gs = [1]
-    while gs[-1] < max_num_seqs:
-        gs.append(gs[-1] * 2)
+    if groups is None:
+        gs = [1]
+        while gs[-1] < max_num_seqs:
+            gs.append(gs[-1] * 2)
+    else:
+        gs = [g for g in groups if g <= bucket_for(groups, max_num_seqs)]
     qs = [QUERY_MIN]
     while qs[-1] < max_num_batched_tokens:
         qs.append(qs[-1] * 2)
     shapes: list[ShapeKey] = [("attn", g, 1, b) for g in gs for b in ladder]
     for q in qs:
         min_new = max(2, q // 2 + 1) if q > QUERY_MIN else 2
-        for g in gs:
-            min_seqs = g // 2 + 1 if g > 1 else 1
+        for below, g in zip([0, *gs], gs, strict=False):
+            min_seqs = below + 1
             if min_seqs > max_num_seqs or min_new + 2 * (min_seqs - 1) > max_num_batched_tokens:
                 continue
             min_blocks = -(-min_new // block_size)
             shapes.extend(("attn", g, q, b) for b in ladder if b >= min_blocks or b == ladder[-1])
     return shapes
+
+
+def spread(buckets: Sequence[int], ratio: float = 1.5) -> list[int]:
+    """A geometric subset of `buckets`: the first, each next one at least `ratio` times the
+    last taken, and the last. Warm-up on CPU times only these (the step-cost fit needs a few
+    points, not every bucket) and declares the rest."""
+    out = [buckets[0]]
+    for b in buckets[1:-1]:
+        if b >= ratio * out[-1]:
+            out.append(b)
+    if buckets[-1] != out[-1]:
+        out.append(buckets[-1])
+    return out
 
 
 def step_keys(tokens: int, logits: int, groups: Iterable[ShapeKey]) -> list[ShapeKey]:

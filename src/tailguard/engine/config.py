@@ -49,19 +49,22 @@ class EngineConfig:
     model in fp32 on 2 cores."""
     max_model_len: int | None = None
     """Longest prompt + output; None: the model's max_position_embeddings."""
-    seq_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-    """Sequence-count buckets (the output head runs on this many rows); the last must be >=
-    max_num_seqs. Steps of 1.5x between powers of two: a 36-sequence step padded to 64 rows
-    ran the head on 28 rows of nothing."""
+    seq_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, *range(32, 257, 8))
+    """Sequence-count buckets: the output head runs on this many rows, and a group of
+    sequences attends as this many; the last must be >= max_num_seqs. Steps of 8 from 32 (as
+    vLLM's CUDA-graph sizes): with the 1.5x steps before session 22 a 65-sequence decode of the
+    embedded model ran its head on 96 rows and attended as 128, and took 26.9 ms against
+    17.9 ms at 64 (22.2 ms with steps of 8)."""
     token_buckets: tuple[int, ...] = (
-        1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024
+        1, 2, 4, 8, 16, 24, *range(32, 257, 8), *range(288, 513, 32), *range(576, 1025, 64)
     )  # fmt: skip
     """Token-count buckets; the last must be >= max_num_batched_tokens. Small buckets matter:
     a decode step of S sequences runs every projection on T rows, and on CPU small-row
-    matmuls cost about in proportion to the rows (oneDNN fp32, AVX2), so padding a batch-8
-    decode to 16 rows nearly doubled its matmul time (docs/benchmarks.md, issue 12). Above 32
-    the steps are 1.5x: on CPU a forward costs about in proportion to its tokens, so a power
-    of two wastes up to half a step (measured: 258 prefill + decode tokens ran as 512)."""
+    matmuls cost about in proportion to the rows, so padding a batch-8 decode to 16 rows
+    nearly doubled its matmul time (docs/benchmarks.md, issue 12). Steps of 8 up to 256, then
+    at most 12.5% (32 to 512, 64 to 1024): a decode step's tokens are its sequences plus the
+    prompts joining it, and the 1.5x steps of sessions 20-21 ran a 65-sequence decode on 96
+    rows of every projection."""
     threads: int = field(default_factory=default_engine_threads)
     """Intra-op threads in the engine process (every other process uses 1). Default: the cores
     available less one, which the HTTP front end needs under load."""
@@ -87,6 +90,12 @@ class EngineConfig:
     50-75% of it; above that its prefill step measured the same as oneDNN's (one copy). Without
     a compiler, or if the build or its self-check fails, the engine logs one line saying why
     and uses oneDNN (`prepack_weights`). False: oneDNN only (A/B)."""
+    row_kernels: bool = True
+    """CPU: greedy argmax and temperature sampling (rows without top-p) over the step's logits
+    in our own compiled pass (model/kernels/rows.c, built like the small-M kernel): on 44 rows
+    of the embedded model's 32,000 logits 0.3 ms against torch's 2.5 ms (argmax) and 0.75 ms
+    against 5.6-17 ms (sampling). Same uniforms, same distribution; falls back to torch with
+    one log line when it cannot be built. False: torch only (A/B)."""
     oom_test_hook: str | None = None
     """Tests only: request ids (comma-separated) whose batches raise OutOfMemoryError."""
 

@@ -26,13 +26,14 @@ from tailguard.engine.buckets import (
     block_ladder,
     bucket_for,
     group_shape,
+    spread,
     step_keys,
 )
 from tailguard.engine.config import EngineConfig
-from tailguard.engine.sampling import sample_rows
+from tailguard.engine.sampling import greedy_rows, sample_rows
 from tailguard.model.batch import NULL_BLOCK, AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
-from tailguard.model.kernels import SmallMKernel, load_small_m_kernel
+from tailguard.model.kernels import SmallMKernel, load_row_kernel, load_small_m_kernel
 from tailguard.model.loader import best_cpu_dtype, load_model, resolve_dtype
 from tailguard.model.mistral import DecoderLayer, allocate_kv_cache, attention_mask
 
@@ -75,6 +76,9 @@ class ModelRunner:
         self.model, self.mcfg = load_model(model_dir, dtype=self.dtype, device=config.device)
         self.model.eval()
         self.small_m_kernel = self._small_m_kernel()
+        self.row_kernel = (
+            load_row_kernel() if config.row_kernels and self.device.type == "cpu" else None
+        )
         if config.prepack_weights or self.small_m_kernel is not None:
             # a no-op where neither oneDNN packing nor the kernel applies (CUDA, fp16)
             self.model.prepack(pack=config.prepack_weights, kernel=self.small_m_kernel)
@@ -168,42 +172,55 @@ class ModelRunner:
     def _attention_shapes(self) -> list[ShapeKey]:
         c = self.config
         return attention_shapes(
-            c.max_num_seqs, c.max_num_batched_tokens, c.block_size, self.blocks_ladder
+            c.max_num_seqs,
+            c.max_num_batched_tokens,
+            c.block_size,
+            self.blocks_ladder,
+            c.seq_buckets,
         )
 
     def warmup(self) -> list[tuple[int, int, float]]:
         """Run every op shape serving can produce once: a forward per token bucket, the output
         head per sequence bucket, and (CUDA) every attention group shape alone (one layer's op,
         the same in every layer), so the allocator's high-water mark is reached before the
-        first request; on CPU the attention shapes are declared, not run (buckets.py). Returns
-        (rows, tokens, seconds) of each token bucket's forward (one head row) and of the head
-        alone at each row bucket (0 tokens): a first calibration of step cost."""
+        first request. On CPU, which has no caching allocator to fill, only a geometric subset
+        of the token and sequence buckets is run (`spread`: 15 of the 51 token buckets; all
+        51 took a 246M model 44 s) and the rest are declared, as the attention shapes are
+        (buckets.py). Returns (rows, tokens, seconds) of each token bucket's forward run (one
+        head row) and of the head alone at each row bucket run (0 tokens): a first calibration
+        of step cost."""
+        c = self.config
+        cpu = self.device.type == "cpu"
+        token_runs = spread(c.token_buckets) if cpu else list(c.token_buckets)
+        row_runs = spread(c.seq_buckets) if cpu else list(c.seq_buckets)
         timings = []
-        for num_tokens in self.config.token_buckets:
+        for num_tokens in token_runs:
             t0 = time.perf_counter()
-            self._dummy_forward(num_tokens, self.config.seq_buckets[0])
+            self._dummy_forward(num_tokens, c.seq_buckets[0])
             timings.append((1, num_tokens, time.perf_counter() - t0))
         hidden = torch.zeros(
-            self.config.seq_buckets[-1], self.mcfg.hidden_size, dtype=self.dtype, device=self.device
+            c.seq_buckets[-1], self.mcfg.hidden_size, dtype=self.dtype, device=self.device
         )
         with torch.inference_mode():
-            for rows in self.config.seq_buckets:
+            for rows in row_runs:
                 t0 = time.perf_counter()
                 self.model.compute_logits(hidden[:rows])
                 timings.append((rows, 0, time.perf_counter() - t0))
                 self.shapes.record([("logits", rows)])
-            if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            if not cpu:  # pragma: no cover - needs a GPU
                 for key in self._attention_shapes():
                     self._dummy_attention(key)
             else:
                 self.shapes.allow(self._attention_shapes())
+                self.shapes.allow(("tokens", t) for t in c.token_buckets)
+                self.shapes.allow(("logits", r) for r in c.seq_buckets)
         self.shapes.mark_warm()
         return timings
 
     def _dummy_forward(self, num_tokens: int, logits_rows: int) -> None:
         """A whole forward over `num_tokens` tokens (one sequence: one attention group) that
         only touches the null block, then the head over `logits_rows` rows."""
-        key = group_shape(1, num_tokens, 1, self.blocks_ladder)
+        key = group_shape(1, num_tokens, 1, self.blocks_ladder, self.config.seq_buckets)
         group = self._null_group(key, num_tokens)
         batch = ForwardBatch(
             input_ids=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
@@ -316,18 +333,23 @@ class ModelRunner:
         if not generating:
             return {}
         sampled = [i for i in generating if items[i].seq.request.sampling.temperature > 0]
-        tokens: dict[int, int] = {}
-        if len(sampled) < len(generating):
-            greedy = logits.argmax(dim=-1).tolist()
-            tokens = {i: greedy[i] for i in generating}
+        greedy = [i for i in generating if items[i].seq.request.sampling.temperature <= 0]
+        if self.row_kernel is not None and logits.dtype != torch.float32:
+            logits = logits.float()
+        threads = torch.get_num_threads()
+        picks = greedy_rows(logits, greedy, self.row_kernel, threads)
+        tokens = dict(zip(greedy, picks, strict=True))
         if sampled:
             reqs = [items[i].seq.request for i in sampled]
             picks = sample_rows(
-                logits[sampled],
+                logits,
                 [r.sampling.temperature for r in reqs],
                 [r.sampling.top_p for r in reqs],
                 [self._generator(r) for r in reqs],
                 self._rng,
+                rows=sampled,
+                kernel=self.row_kernel,
+                threads=threads,
             )
             tokens.update(zip(sampled, picks, strict=True))
         return tokens
@@ -396,7 +418,9 @@ class _Plan:
         decode = [i for i, it in enumerate(items) if it.num_new == 1]
         prefill = [i for i, it in enumerate(items) if it.num_new > 1]
         built = [
-            _group(items, spans, idx, t_bucket, ladder, device) for idx in (decode, prefill) if idx
+            _group(items, spans, idx, t_bucket, ladder, config.seq_buckets, device)
+            for idx in (decode, prefill)
+            if idx
         ]
         groups = tuple(g for g, _ in built)
         last = [e - 1 for _, e in spans] + [t_bucket - 1] * (s_bucket - len(items))
@@ -425,6 +449,7 @@ def _group(
     idx: list[int],
     pad_token: int,
     ladder: tuple[int, ...],
+    groups: tuple[int, ...],
     device: torch.device,
 ) -> tuple[AttnGroup, ShapeKey]:
     """Sequences idx in a padded [G, Q] query layout with [G, B] block tables; G, Q and B are
@@ -434,6 +459,7 @@ def _group(
         max(items[i].num_new for i in idx),
         max(len(items[i].seq.block_table) for i in idx),
         ladder,
+        groups,
     )
     _, g, q, nblocks = key
     assert isinstance(g, int) and isinstance(q, int) and isinstance(nblocks, int)

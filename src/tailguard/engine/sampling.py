@@ -12,6 +12,11 @@ Top-p (nucleus) rows are sorted first and their tail zeroed before the cumulativ
 best token is always kept. A request with its own seed draws its uniform from its own
 generator, so its tokens do not depend on what else shares the step; the others share the
 engine's generator (seeded by the engine's `seed`).
+
+With the row kernels (model/kernels/rows.c) on CPU, the rows without top-p are sampled by the
+same inverse CDF in one pass of our own (~17 us a row against ~120 for the torch ops above on
+44 rows of 32,000), and greedy rows take its argmax (torch's is not vectorised: 2.5 ms for 44
+rows, 0.3 with the kernel). The uniforms come from the same generators either way.
 """
 
 from __future__ import annotations
@@ -20,7 +25,27 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["sample_rows"]
+from tailguard.model.kernels import RowKernel
+
+__all__ = ["greedy_rows", "sample_rows"]
+
+
+def _kernel_ok(logits: torch.Tensor, kernel: RowKernel | None) -> RowKernel | None:
+    if kernel is None or logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return None
+    return kernel if logits.dim() == 2 and logits.stride(1) == 1 else None
+
+
+def greedy_rows(
+    logits: torch.Tensor, rows: Sequence[int], kernel: RowKernel | None = None, threads: int = 1
+) -> list[int]:
+    """The argmax of each of `rows` of `logits` [R, vocab] (the first maximal id)."""
+    if not rows:
+        return []
+    k = _kernel_ok(logits, kernel)
+    if k is not None:
+        return k.argmax(logits, rows, threads)
+    return logits[list(rows)].argmax(dim=-1).tolist()
 
 
 def sample_rows(
@@ -29,12 +54,49 @@ def sample_rows(
     top_ps: Sequence[float],
     generators: Sequence[torch.Generator | None],
     shared: torch.Generator,
+    *,
+    rows: Sequence[int] | None = None,
+    kernel: RowKernel | None = None,
+    threads: int = 1,
 ) -> list[int]:
-    """One token id per row of `logits` [R, vocab]: row i at `temperatures[i]` (> 0) and
-    `top_ps[i]`, its uniform drawn from `generators[i]`, or from `shared` where that is None."""
-    rows = logits.shape[0]
-    if rows == 0:
+    """One token id per row of `logits` [R, vocab] (or per row of `rows`, indices into it):
+    the i-th at `temperatures[i]` (> 0) and `top_ps[i]`, its uniform drawn from
+    `generators[i]`, or from `shared` where that is None."""
+    index = list(range(logits.shape[0])) if rows is None else list(rows)
+    if not index:
         return []
+    u = _uniforms(len(index), generators, shared, logits.device)
+    k = _kernel_ok(logits, kernel)
+    if k is None:
+        return _inverse_cdf(logits if rows is None else logits[index], temperatures, top_ps, u)
+    plain = [i for i, p in enumerate(top_ps) if p >= 1.0]
+    picks = [0] * len(index)
+    if plain:
+        got = k.sample(
+            logits, [index[i] for i in plain], [temperatures[i] for i in plain], u[plain], threads
+        )
+        for i, t in zip(plain, got, strict=True):
+            picks[i] = t
+    nucleus = [i for i, p in enumerate(top_ps) if p < 1.0]
+    if nucleus:
+        got = _inverse_cdf(
+            logits[[index[i] for i in nucleus]],
+            [temperatures[i] for i in nucleus],
+            [top_ps[i] for i in nucleus],
+            u[nucleus],
+        )
+        for i, t in zip(nucleus, got, strict=True):
+            picks[i] = t
+    return picks
+
+
+def _inverse_cdf(
+    logits: torch.Tensor,
+    temperatures: Sequence[float],
+    top_ps: Sequence[float],
+    u: torch.Tensor,
+) -> list[int]:
+    """The torch path: every row of `logits`, row i with uniform u[i]."""
     temp = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)
     probs = torch.softmax(logits.float() / temp.unsqueeze(1), dim=-1)
     order: torch.Tensor | None = None
@@ -45,7 +107,6 @@ def sample_rows(
         # keep a token while the mass before it is under top_p: the best one always stays
         probs = probs * ((probs.cumsum(-1) - probs) < top_p)
     cdf = probs.cumsum(-1, dtype=torch.float64)
-    u = _uniforms(rows, generators, shared, logits.device)
     total = cdf[:, -1]
     # below the total even where u * total rounds up to it: never past the last kept token
     x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))

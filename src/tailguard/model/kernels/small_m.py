@@ -132,9 +132,10 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _build(compiler: str, cache_dir: Path) -> Path:
-    """Compile (or find) the library; raises OSError / CalledProcessError / RuntimeError."""
-    source = SOURCE.read_bytes()
+def build_library(source_path: Path, compiler: str, cache_dir: Path) -> Path:
+    """Compile (or find) the library of one of this folder's C files; raises OSError /
+    CalledProcessError / RuntimeError."""
+    source = source_path.read_bytes()
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
     ).stdout
@@ -142,7 +143,7 @@ def _build(compiler: str, cache_dir: Path) -> Path:
     for part in (source, compiler.encode(), " ".join(CFLAGS).encode(), version.encode()):
         key.update(part + b"\0")
     key.update(_cpu_flags().encode())
-    path = cache_dir / f"gemv-{key.hexdigest()[:20]}.so"
+    path = cache_dir / f"{source_path.stem}-{key.hexdigest()[:20]}.so"
     if path.exists():
         return path
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -151,7 +152,7 @@ def _build(compiler: str, cache_dir: Path) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *CFLAGS, "-o", tmp, str(SOURCE)],
+            [compiler, *CFLAGS, "-o", tmp, str(source_path), "-lm"],
             capture_output=True,
             text=True,
             timeout=300,
@@ -162,7 +163,7 @@ def _build(compiler: str, cache_dir: Path) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("tailguard: built the small-M kernel %s", path)
+    log.info("tailguard: built %s", path)
     return path
 
 
@@ -183,7 +184,7 @@ def _check(kernel: SmallMKernel) -> str | None:
 
 def _load(compiler: str, cache_dir: Path) -> SmallMKernel | str:
     try:
-        path = _build(compiler, cache_dir)
+        path = build_library(SOURCE, compiler, cache_dir)
     except FileNotFoundError:
         return f"no C compiler ({compiler!r} not found; set CC)"
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:

@@ -34,6 +34,7 @@ class HistogramSnapshot:
     buckets: dict[float, float]  # upper bound (s) -> cumulative count; +Inf included
     count: float
     error: str | None = None  # why the scrape failed, if it did
+    sum: float = 0.0  # `<name>_sum`, summed over label sets
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,10 @@ class ServerSide:
 
 
 def parse_histogram(text: str, name: str = DEFAULT_HISTOGRAM) -> HistogramSnapshot:
-    """Sum `<name>_bucket` by `le` and `<name>_count` over every other label."""
+    """Sum `<name>_bucket` by `le`, and `<name>_count` and `<name>_sum`, over every other
+    label."""
     buckets: dict[float, float] = {}
-    count = 0.0
+    count = total = 0.0
     for raw in text.splitlines():
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -68,7 +70,9 @@ def parse_histogram(text: str, name: str = DEFAULT_HISTOGRAM) -> HistogramSnapsh
             buckets[bound] = buckets.get(bound, 0.0) + _value(line)
         elif line.startswith(name + "_count"):
             count += _value(line)
-    return HistogramSnapshot(buckets, count)
+        elif line.startswith(name + "_sum"):
+            total += _value(line)
+    return HistogramSnapshot(buckets, count, sum=total)
 
 
 def _label(line: str, key: str) -> str | None:

@@ -1,0 +1,136 @@
+/* Row kernels over a step's logits [R, V] (fp32): greedy argmax and inverse-CDF sampling.
+ *
+ * Why our own: on the embedded model (vocab 32,000, hidden 256) the head's logits are the
+ * largest tensor of a decode step, and torch's CPU ops over them cost more than the head's
+ * matmul share: argmax over 44 rows 2.5 ms (it is not vectorised), and the sampler's softmax,
+ * float64 cumulative sum and searchsorted ~0.1-0.3 ms a row (docs/benchmarks.md, session 22).
+ * Both are single passes over memory here.
+ *
+ * Sampling is the inverse CDF of softmax(logits / T): m = max, e_j = exp((l_j - m) / T), and
+ * the pick is the first j whose running sum of e exceeds u * sum(e), u uniform in [0, 1) from
+ * the caller (so seeded requests stay reproducible). Pass 1 is the max; pass 2 the sums of e
+ * over blocks of 256 (float inside a block, double across blocks); pass 3 finds the block,
+ * then recomputes that block's 256 exponentials and scans them. No scratch buffer.
+ *
+ * exp is our own (2^t by a degree-7 polynomial of the fraction and the exponent's bits,
+ * relative error ~1e-7 on the range used), written with GCC vector extensions like gemv.c,
+ * so it runs VL lanes at a time on whatever `-march=native` offers, without libm.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define BLOCK 256
+
+#if defined(__AVX512F__)
+#define VBYTES 64
+#elif defined(__AVX__)
+#define VBYTES 32
+#else
+#define VBYTES 16
+#endif
+#define VL (VBYTES / 4)
+typedef float vf __attribute__((vector_size(VBYTES)));
+typedef float vfu __attribute__((vector_size(VBYTES), aligned(4))); /* unaligned access */
+typedef int32_t vi __attribute__((vector_size(VBYTES)));
+
+/* e^x for x <= 0, VL at a time; below -87 the result is 0 (under float's normal range). */
+static inline vf vexp_neg(vf x) {
+    vi under = x < -87.0f;
+    vf t = (x * 1.44269504088896341f) * (vf)(~under & (vi)((vf){} + 1.0f)); /* log2(e) */
+    vf n = (t + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
+    vf f = (t - n) * 0.693147180559945309f;  /* |f| <= ln2 / 2 */
+    vf p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 +
+           f * (1.0f / 720 + f * (1.0f / 5040)))))));
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return (vf)((vi)(p * (vf)bits) & ~under);
+}
+
+static float row_max(const float *x, long n) {
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (long j = 0; j < n; j++) m = x[j] > m ? x[j] : m;
+    return m;
+}
+
+/* First index of the maximum; a NaN anywhere wins (as torch.argmax), at its first index.
+ * The maximum of each block of BLOCK is vectorised; only the first block holding the row's
+ * maximum (or a NaN) is scanned element by element. */
+static long row_argmax(const float *x, long n) {
+    float m = row_max(x, n);
+    for (long j0 = 0; j0 < n; j0 += BLOCK) {
+        long len = j0 + BLOCK < n ? BLOCK : n - j0;
+        float bm = row_max(x + j0, len);
+        int nan = 0;
+#pragma omp simd reduction(| : nan)
+        for (long j = 0; j < len; j++) nan |= x[j0 + j] != x[j0 + j];
+        if (bm == m || nan)
+            for (long j = j0; j < j0 + len; j++)
+                if (x[j] == m || x[j] != x[j]) return j;
+    }
+    return 0;
+}
+
+/* e[j] = exp((x[j] - m) * inv_t) for j < n (n <= BLOCK); returns their sum. */
+static float block_exp(const float *x, long n, float m, float inv_t, float *e) {
+    long j = 0;
+    vf acc = {};
+    for (; j + VL <= n; j += VL) {
+        vf v = vexp_neg((*(const vfu *)(x + j) - m) * inv_t);
+        *(vfu *)(e + j) = v;
+        acc += v;
+    }
+    float s = 0.0f;
+    for (int k = 0; k < VL; k++) s += acc[k];
+    for (; j < n; j++) { /* the tail, through a vector with one live lane */
+        vf v = (vf){} - 100.0f;
+        v[0] = (x[j] - m) * inv_t;
+        e[j] = vexp_neg(v)[0];
+        s += e[j];
+    }
+    return s;
+}
+
+static long row_sample(const float *x, long n, float inv_t, double u) {
+    float m = row_max(x, n);
+    if (!isfinite(m)) return row_argmax(x, n);
+    long blocks = (n + BLOCK - 1) / BLOCK;
+    double sums[blocks];
+    float e[BLOCK];
+    double total = 0.0;
+    for (long b = 0; b < blocks; b++) {
+        long j0 = b * BLOCK, len = j0 + BLOCK < n ? BLOCK : n - j0;
+        sums[b] = block_exp(x + j0, len, m, inv_t, e);
+        total += sums[b];
+    }
+    if (!(total > 0.0) || !isfinite(total)) return row_argmax(x, n); /* a NaN in the row */
+    double target = u * total, acc = 0.0;
+    long b = 0;
+    while (b < blocks - 1 && acc + sums[b] <= target) acc += sums[b++];
+    long j0 = b * BLOCK, len = j0 + BLOCK < n ? BLOCK : n - j0, last = -1;
+    block_exp(x + j0, len, m, inv_t, e);
+    for (long j = 0; j < len; j++) {
+        if (e[j] > 0.0f) last = j0 + j;
+        acc += e[j];
+        if (acc > target && e[j] > 0.0f) return j0 + j;
+    }
+    /* rounding left the target past the block's end: the last token with any weight */
+    if (last >= 0) return last;
+    return row_argmax(x, n);
+}
+
+/* out[i] = argmax of row rows[i] of x (row stride ld, n columns). */
+void tg_argmax_rows(const float *x, long ld, const long *rows, long nrows, long n, long *out,
+                    int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nrows > 1)
+    for (long i = 0; i < nrows; i++) out[i] = row_argmax(x + rows[i] * ld, n);
+}
+
+/* out[i] = a token sampled from softmax(row rows[i] / temperature) with uniform u[i];
+ * inv_temp[i] = 1 / temperature (> 0). */
+void tg_sample_rows(const float *x, long ld, const long *rows, long nrows, long n,
+                    const float *inv_temp, const double *u, long *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nrows > 1)
+    for (long i = 0; i < nrows; i++) out[i] = row_sample(x + rows[i] * ld, n, inv_temp[i], u[i]);
+}
+
+int tg_rows_abi(void) { return 1; }

@@ -1,0 +1,150 @@
+"""Row kernels over a step's logits (rows.c): greedy argmax and inverse-CDF sampling.
+
+    kernel = load_row_kernel()            # None, with one logged line saying why, if unavailable
+    ids = kernel.argmax(logits, rows)      # logits [R, V] fp32; rows: the row indices wanted
+    ids = kernel.sample(logits, rows, temperatures, uniforms)
+
+Built and cached like the small-M linear (small_m.py: `build_library`), checked against torch
+before first use; anything failing means None and the engine's torch path (engine/sampling.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from tailguard.model.kernels.small_m import build_library, default_cache_dir, default_compiler
+
+__all__ = ["RowKernel", "load_row_kernel"]
+
+log = logging.getLogger("tailguard.engine")
+
+SOURCE = Path(__file__).with_name("rows.c")
+ABI = 1
+
+_loaded: dict[tuple[str, str], RowKernel | str] = {}
+
+
+class RowKernel:
+    """argmax and sampling over chosen rows of fp32 CPU logits [R, V] with unit inner stride."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        c_long, c_void_p, c_int = ctypes.c_long, ctypes.c_void_p, ctypes.c_int
+        self._argmax = lib.tg_argmax_rows
+        self._argmax.restype = None
+        # x, ld, rows, nrows, n, out, threads
+        self._argmax.argtypes = [c_void_p, c_long, c_void_p, c_long, c_long, c_void_p, c_int]
+        self._sample = lib.tg_sample_rows
+        self._sample.restype = None
+        # x, ld, rows, nrows, n, inv_temp, u, out, threads
+        self._sample.argtypes = [
+            c_void_p, c_long, c_void_p, c_long, c_long, c_void_p, c_void_p, c_void_p, c_int
+        ]  # fmt: skip
+        self._lib = lib
+
+    @staticmethod
+    def _checked(logits: Tensor) -> None:
+        if (
+            logits.dim() != 2
+            or logits.dtype != torch.float32
+            or logits.device.type != "cpu"
+            or logits.stride(1) != 1
+        ):
+            raise ValueError(
+                "row kernels need CPU fp32 logits [R, V] with unit inner stride: got "
+                f"{logits.dtype} {tuple(logits.shape)} on {logits.device}"
+            )
+
+    def argmax(self, logits: Tensor, rows: Sequence[int], threads: int = 1) -> list[int]:
+        """The first maximal column of each of `rows` (a NaN counts as the maximum)."""
+        self._checked(logits)
+        idx = torch.tensor(rows, dtype=torch.long)
+        out = torch.empty(len(rows), dtype=torch.long)
+        self._argmax(
+            logits.data_ptr(), logits.stride(0), idx.data_ptr(), len(rows), logits.shape[1],
+            out.data_ptr(), threads,
+        )  # fmt: skip
+        return out.tolist()
+
+    def sample(
+        self,
+        logits: Tensor,
+        rows: Sequence[int],
+        temperatures: Sequence[float],
+        uniforms: Tensor,
+        threads: int = 1,
+    ) -> list[int]:
+        """For each of `rows`: the column where u * sum(e) falls in the running sum of
+        e = exp((logits - max) / temperature), u from `uniforms` (float64, one per row, in
+        [0, 1)): a draw from softmax(logits / temperature)."""
+        self._checked(logits)
+        n = len(rows)
+        if uniforms.dtype != torch.float64 or uniforms.numel() != n:
+            raise ValueError(f"need {n} float64 uniforms, got {uniforms.dtype} {uniforms.numel()}")
+        idx = torch.tensor(rows, dtype=torch.long)
+        inv = torch.tensor([1.0 / t for t in temperatures], dtype=torch.float32)
+        u = uniforms.contiguous()
+        out = torch.empty(n, dtype=torch.long)
+        self._sample(
+            logits.data_ptr(), logits.stride(0), idx.data_ptr(), n, logits.shape[1],
+            inv.data_ptr(), u.data_ptr(), out.data_ptr(), threads,
+        )  # fmt: skip
+        return out.tolist()
+
+
+def _check(kernel: RowKernel) -> str | None:
+    """None if argmax matches torch and sampling lands where the CDF says, else why not."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 1000, generator=g)
+    x[2, 17] = x[2, 900] = 50.0  # a tie: the first wins
+    want = x.argmax(dim=-1).tolist()
+    got = kernel.argmax(x, range(5))
+    if got != want:
+        return f"argmax self-check failed: {got} != {want}"
+    flat = torch.zeros(3, 777)  # uniform rows: u picks column floor(u * 777)
+    u = torch.tensor([0.0, 0.5, 0.999], dtype=torch.float64)
+    got = kernel.sample(flat, range(3), [1.0, 0.7, 2.0], u)
+    if [abs(a - int(b * 777)) <= 1 for a, b in zip(got, u.tolist(), strict=True)] != [True] * 3:
+        return f"sampling self-check failed on uniform rows: {got}"
+    peaked = torch.full((2, 300), -30.0)
+    peaked[0, 123] = peaked[1, 299] = 30.0
+    got = kernel.sample(peaked, [0, 1], [1.0, 1.0], torch.tensor([0.3, 0.99], dtype=torch.float64))
+    if got != [123, 299]:
+        return f"sampling self-check failed on peaked rows: {got}"
+    return None
+
+
+def _load(compiler: str, cache_dir: Path) -> RowKernel | str:
+    try:
+        path = build_library(SOURCE, compiler, cache_dir)
+    except FileNotFoundError:
+        return f"no C compiler ({compiler!r} not found; set CC)"
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        return f"compiling {SOURCE.name} failed: {exc}"
+    try:
+        lib = ctypes.CDLL(str(path))
+        if lib.tg_rows_abi() != ABI:
+            return f"{path} is not this version of the row kernels"
+        kernel = RowKernel(lib, path)
+    except (OSError, AttributeError) as exc:
+        return f"loading {path} failed: {exc}"
+    return _check(kernel) or kernel
+
+
+def load_row_kernel(compiler: str | None = None, cache_dir: Path | None = None) -> RowKernel | None:
+    """The row kernels, built and checked once per process (and per compiler / cache folder);
+    None after one warning line saying why, if they cannot be had."""
+    key = (compiler or default_compiler(), str(cache_dir or default_cache_dir()))
+    got = _loaded.get(key)
+    if got is None:
+        got = _loaded[key] = _load(key[0], Path(key[1]))
+        if isinstance(got, str):
+            log.warning("tailguard: row kernels unavailable, using torch: %s", got)
+    return got if isinstance(got, RowKernel) else None
