@@ -6,7 +6,9 @@ together (prompt tokens, then decode), the forward timed apart from the rest of 
     .venv/bin/python bench/engine_step.py --model ~/.cache/tailguard/bench-m --ab-kernel --matmuls
 
 Prints the median decode step, forward, and outside-the-forward (output head, argmax, plan,
-scheduler update) in ms, and the msgpack encode of each step's outputs + stats; --old-buckets
+scheduler update) in ms, and the msgpack encode of each step's outputs + stats;
+--temperature T samples (default greedy), --no-row-kernels uses torch's argmax / sampling
+instead of model/kernels/rows.c; --old-buckets
 runs with the token-bucket floor of 16 that preceded session 19, --profile adds a cProfile of
 the steps. Set OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=200000 to match the served engine.
 
@@ -124,6 +126,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--old-buckets", action="store_true", help="token buckets from 16")
     ap.add_argument("--no-kernel", action="store_true", help="small_m_kernel=False (oneDNN)")
+    ap.add_argument(
+        "--no-row-kernels", action="store_true", help="row_kernels=False (torch argmax/sampling)"
+    )
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled decode")
     ap.add_argument("--ab-kernel", action="store_true", help="oneDNN, then the kernel; ratio")
     ap.add_argument("--matmuls", action="store_true", help="per-matmul micro bench")
     ap.add_argument("--profile", action="store_true")
@@ -168,6 +174,7 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool) -> float
         max_model_len=2048,
         nice=0,
         small_m_kernel=use_kernel,
+        row_kernels=not args.no_row_kernels,
         **extra,
     )
     core = EngineCore(cfg, model)
@@ -190,7 +197,9 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool) -> float
     def run(tag: str) -> tuple[list[float], list[float], list[float]]:
         for i in range(args.batch):
             prompt = tuple(rng.randrange(3, 32000) for _ in range(args.prompt))
-            sp = SamplingParams(max_tokens=args.output, ignore_eos=True)
+            sp = SamplingParams(
+                max_tokens=args.output, ignore_eos=True, temperature=args.temperature
+            )
             core.add(EngineRequest(request_id=f"{tag}{i}", prompt_token_ids=prompt, sampling=sp))
         steps, encodes = [], []
         forwards.clear()
