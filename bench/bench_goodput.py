@@ -139,6 +139,8 @@ class Level:
 
 ENGINE_STEP = "tailguard_engine_step_seconds"
 BATCH_SIZE = "tailguard_batch_size"
+INTAKE_WAIT = "tailguard_intake_wait_seconds"
+LOOP_LAG = "tailguard_event_loop_lag_seconds"
 
 
 CPU_SECONDS = "tailguard_process_cpu_seconds_total{"
@@ -259,6 +261,8 @@ class OpenLevel:
     send_lag_p99_ms: float = math.nan  # the load client's own lag before sending
     server_in_time: float = math.nan  # stream: share of the server's TTFT (read -> first token
     # taken by the handler) within the SLA; the rest of the client's lateness is outside it
+    intake_p99_s: float = math.nan  # server: socket read -> parsed, p99 (a bucket bound)
+    loop_lag_p99_s: float = math.nan  # server: HTTP event-loop lag, p99 (a bucket bound)
     cpu: str = ""  # cores used during the level: the server's processes and the load client
     engine_busy: float = math.nan  # share of the level's wall time the engine spent in steps
     step_ms: float = math.nan  # mean engine step
@@ -336,7 +340,8 @@ async def measured_level(
     base: str, w: Workload, rate: float, seconds: float, sla_s: float, seed: int
 ) -> OpenLevel:
     """`open_loop`, with the server's prediction-ratio histogram scraped around it."""
-    url, names = base + "/metrics", (PREDICTION_RATIO, SERVER_TTFT, ENGINE_STEP, BATCH_SIZE)
+    url = base + "/metrics"
+    names = (PREDICTION_RATIO, SERVER_TTFT, ENGINE_STEP, BATCH_SIZE, INTAKE_WAIT, LOOP_LAG)
     first, cpu0 = await scrape_many(url, names), await process_cpu(url)
     t0, client0 = time.monotonic(), time.process_time()
     lv = await open_loop(base, w, rate, seconds, sla_s, seed)
@@ -352,6 +357,8 @@ async def measured_level(
     before, after = first[PREDICTION_RATIO], last[PREDICTION_RATIO]
     ttft0, ttft1 = first[SERVER_TTFT], last[SERVER_TTFT]
     lv.ratio_p50, lv.ratio_p90, lv.ratio_p99 = ratio_quantiles(before, after)
+    (lv.intake_p99_s,) = ratio_quantiles(first[INTAKE_WAIT], last[INTAKE_WAIT], (0.99,))
+    (lv.loop_lag_p99_s,) = ratio_quantiles(first[LOOP_LAG], last[LOOP_LAG], (0.99,))
     n = ttft1.count - ttft0.count
     if w.stream and n > 0 and sla_s in ttft1.buckets:
         lv.server_in_time = (ttft1.buckets[sla_s] - ttft0.buckets.get(sla_s, 0.0)) / n
@@ -492,6 +499,8 @@ def main() -> int:
                         f"p50 {lv.ratio_p50:g} p90 {lv.ratio_p90:g} p99 {lv.ratio_p99:g}"
                         + (f", server TTFT in time {lv.server_in_time:.2%}" * w.stream)
                         + f", client send lag p99 {lv.send_lag_p99_ms:.1f} ms"
+                        + f", server intake p99 <= {lv.intake_p99_s * 1e3:g} ms, loop lag p99"
+                        f" <= {lv.loop_lag_p99_s * 1e3:g} ms"
                         + f", engine busy {lv.engine_busy:.0%} ({lv.step_ms:.1f} ms steps of"
                         f" {lv.seqs_per_step:.1f} seqs), cores: {lv.cpu}",
                         flush=True,
