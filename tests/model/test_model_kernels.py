@@ -16,7 +16,13 @@ from tailguard.core.request import EngineRequest, SamplingParams
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.core import EngineCore
 from tailguard.model.embedded import default_model_dir
-from tailguard.model.kernels import SmallMKernel, load_small_m_kernel, small_m_unavailable_reason
+from tailguard.model.kernels import (
+    SmallMKernel,
+    load_row_kernel,
+    load_small_m_kernel,
+    small_m_unavailable_reason,
+)
+from tailguard.model.kernels.rows import _check as rows_check
 from tailguard.model.loader import load_model
 from tailguard.model.mistral import KernelLinear, MistralModel, PackedLinear
 
@@ -112,6 +118,28 @@ def test_no_compiler_or_failed_build_falls_back_with_one_line(
     assert "compiling gemv.c failed" in lines[1] and "no such luck" in lines[1]
     assert small_m_unavailable_reason(missing, tmp_path / "k1") is not None
     assert not list((tmp_path / "k2").glob("*")), "a failed build leaves no file behind"
+
+
+def test_row_kernels_fall_back_with_one_line_and_are_checked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """rows.c is built like gemv.c: no compiler or a failed build is None plus one warning;
+    a library that builds is self-checked against torch before use."""
+    missing = str(tmp_path / "no-such-cc")
+    broken = str(_fake_compiler(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="tailguard.engine"):
+        for _ in range(2):
+            assert load_row_kernel(missing, tmp_path / "r1") is None
+            assert load_row_kernel(broken, tmp_path / "r2") is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "row kernels unavailable, using torch: no C compiler" in lines[0]
+    assert "compiling rows.c failed" in lines[1]
+    built = load_row_kernel(cache_dir=tmp_path / "r3")
+    if built is None:
+        pytest.skip("no working C compiler here")
+    assert rows_check(built) is None
+    assert [p.name.startswith("rows-") for p in (tmp_path / "r3").glob("*.so")] == [True]
 
 
 def _logits(model: MistralModel, prompts: list[list[int]]) -> torch.Tensor:
