@@ -15,6 +15,8 @@ from tests.model.model_testkit import PagedCache, make_checkpoint
 from tailguard.core.request import EngineRequest, SamplingParams
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.core import EngineCore
+from tailguard.model.batch import AttnGroup
+from tailguard.model.config import MistralConfig
 from tailguard.model.embedded import default_model_dir
 from tailguard.model.kernels import (
     SmallMKernel,
@@ -24,7 +26,13 @@ from tailguard.model.kernels import (
 )
 from tailguard.model.kernels.rows import _check as rows_check
 from tailguard.model.loader import load_model
-from tailguard.model.mistral import KernelLinear, MistralModel, PackedLinear
+from tailguard.model.mistral import (
+    Attention,
+    KernelLinear,
+    MistralModel,
+    PackedLinear,
+    attention_mask,
+)
 
 
 @pytest.fixture(scope="session")
@@ -200,3 +208,79 @@ def test_engine_greedy_tokens_identical_with_and_without_kernel(kernel: SmallMKe
     with_kernel = _greedy(EngineConfig(**base, small_m_kernel=True), prompts)  # type: ignore[arg-type]
     without = _greedy(EngineConfig(**base, small_m_kernel=False), prompts)  # type: ignore[arg-type]
     assert with_kernel == without
+
+
+@pytest.mark.parametrize("window", [0, 37])
+def test_decode_attention_kernel_matches_the_sdpa_path(window: int) -> None:
+    """One decode group read straight from a paged cache (blocks scattered, contexts 1-300,
+    GQA 8 query / 2 KV heads, two padding rows, optionally a sliding window) against the
+    gather + SDPA path of `Attention.attend` with the engine's mask."""
+    kernel = load_row_kernel()
+    if kernel is None:
+        pytest.skip("the row kernels could not be built here (no C compiler?)")
+    g = torch.Generator().manual_seed(3)
+    nh, nkv, hd, bs, blocks = 8, 2, 32, 16, 120
+    cfg = MistralConfig(
+        vocab_size=64, hidden_size=nh * hd, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd,
+        max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+        sliding_window=window or None, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    attn = Attention(cfg)
+    k_cache = torch.randn(blocks, bs, nkv, hd, generator=g)
+    v_cache = torch.randn(blocks, bs, nkv, hd, generator=g)
+    ctx = [1, 300, 17, 16, 33, 129, 1, 1]  # the last two rows are padding
+    n_tok = 6
+    width = max(-(-c // bs) for c in ctx)
+    free = torch.randperm(blocks - 1, generator=g) + 1  # block 0 is the null block
+    tables, used = [], 0
+    for c in ctx:
+        need = -(-c // bs)
+        tables.append(free[used : used + need].tolist() + [0] * (width - need))
+        used += need
+    group = AttnGroup(
+        token_index=torch.tensor([[i] for i in range(n_tok)] + [[n_tok], [n_tok]]),
+        block_tables=torch.tensor(tables),
+        context_lens=torch.tensor(ctx),
+        query_start=torch.tensor([c - 1 for c in ctx]),
+    )
+    q = torch.randn(n_tok, nh, hd, generator=g)
+    q_ext = torch.cat((q, q.new_zeros(1, nh, hd)))
+    mask = attention_mask(group, n_tok, width * bs, window or None)
+    want = torch.zeros(n_tok + 1, nh * hd)
+    attn.attend(q_ext, group, mask, k_cache, v_cache, want)
+    for threads in (1, 2):
+        got = torch.full((n_tok + 1, nh * hd), 7.0)
+        kernel.decode_attention(
+            q, group.token_index[:, 0].contiguous(), n_tok, k_cache, v_cache,
+            group.block_tables, group.context_lens, width * bs, window, got, threads,
+        )  # fmt: skip
+        torch.testing.assert_close(got[:n_tok], want[:n_tok], rtol=1e-5, atol=1e-5)
+        assert (got[n_tok] == 7.0).all(), "padding rows are skipped, not written"
+
+
+def test_engine_generates_the_same_tokens_with_the_decode_attention_kernel(
+    tmp_path: Path,
+) -> None:
+    """Greedy generation on the embedded model, row kernels on and off: same tokens."""
+    if load_row_kernel() is None:
+        pytest.skip("the row kernels could not be built here (no C compiler?)")
+    model = default_model_dir()
+    rng = random.Random(0)
+    prompts = [tuple(rng.randrange(3, 32000) for _ in range(rng.randint(3, 90))) for _ in range(12)]
+    runs = []
+    for on in (False, True):
+        core = EngineCore(
+            EngineConfig(model_dir=str(model), threads=1, nice=0, row_kernels=on), model
+        )
+        assert (core.runner.model.layers[0].attn.decode_kernel is not None) == on
+        core.warmup()
+        for i, p in enumerate(prompts):
+            sp = SamplingParams(max_tokens=24, ignore_eos=True)
+            core.add(EngineRequest(request_id=f"r{i}", prompt_token_ids=p, sampling=sp))
+        tokens: dict[str, list[int]] = {}
+        while core.has_work():
+            for out in core.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        runs.append(tokens)
+    assert runs[0] == runs[1]

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from tailguard.model.batch import AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
-from tailguard.model.kernels import SmallMKernel
+from tailguard.model.kernels import RowKernel, SmallMKernel
 
 __all__ = [
     "KernelLinear",
@@ -170,6 +170,9 @@ class Attention(nn.Module):
         self.split = (q_dim, kv_dim, kv_dim)
         self.wqkv = nn.Linear(config.hidden_size, q_dim + 2 * kv_dim, bias=False)
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
+        self.window = config.sliding_window or 0
+        # decode groups on our own kernel (model/kernels/rows.c) where set: CPU fp32
+        self.decode_kernel: RowKernel | None = None
 
     def forward(
         self,
@@ -197,7 +200,15 @@ class Attention(nn.Module):
         q_ext = torch.cat((q, q.new_zeros(1, self.n_head, self.head_dim)))  # [T+1, nh, hd]
         out = x.new_zeros(n_tok + 1, self.n_head * self.head_dim)  # [T+1, nh*hd]
         for group, mask in zip(batch.groups, masks, strict=True):  # a few groups, not sequences
-            self.attend(q_ext, group, mask, k_cache, v_cache, out)
+            if self.decode_kernel is not None and group.token_index.shape[1] == 1:
+                self.decode_kernel.decode_attention(
+                    q, group.token_index[:, 0].contiguous(), n_tok, k_cache, v_cache,
+                    group.block_tables, group.context_lens,
+                    group.block_tables.shape[1] * k_cache.shape[1], self.window, out,
+                    torch.get_num_threads(),
+                )  # fmt: skip
+            else:
+                self.attend(q_ext, group, mask, k_cache, v_cache, out)
         return self.wo(out[:n_tok])  # [T, H]
 
     def attend(
@@ -312,6 +323,20 @@ class MistralModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, batch, masks, kv_cache)
         return self.norm(x)
+
+    def use_decode_kernel(self, kernel: RowKernel | None) -> bool:
+        """Run decode groups' attention on `kernel` (model/kernels/rows.c) where it applies:
+        CPU fp32, head_dim a whole number of its vector lanes. Returns whether it does."""
+        ok = (
+            kernel is not None
+            and self.dtype == torch.float32
+            and self.device.type == "cpu"
+            and self.config.head_dim % kernel.lanes == 0
+        )
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.attn.decode_kernel = kernel if ok else None
+        return ok
 
     def prepack(self, pack: bool = True, kernel: SmallMKernel | None = None) -> None:
         """Replace every projection and the output head by faster linears (CPU inference).

@@ -18,6 +18,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define BLOCK 256
 
@@ -133,4 +134,84 @@ void tg_sample_rows(const float *x, long ld, const long *rows, long nrows, long 
     for (long i = 0; i < nrows; i++) out[i] = row_sample(x + rows[i] * ld, n, inv_temp[i], u[i]);
 }
 
-int tg_rows_abi(void) { return 1; }
+
+
+/* ---- decode attention: one query row per sequence, read straight from the paged cache ---- */
+
+static inline float vsum(vf v) {
+    float s = 0.0f;
+    for (int k = 0; k < VL; k++) s += v[k];
+    return s;
+}
+
+/* For every sequence s whose query row q_rows[s] is below pad_row: each query head h attends
+ * over positions [max(0, n - window), n) of its KV head h / (nh / nkv), n = ctx_lens[s], the
+ * keys and values read from k_cache / v_cache [num_blocks, bs, nkv, hd] through the block
+ * table row s of `tables` [nseq, tbl_ld]; the result goes to out[q_rows[s] * out_ld + h * hd].
+ * q rows are [nh, hd] at q + q_rows[s] * q_ld. window 0: no window. Scratch for the scores is
+ * allocated per thread (max_ctx floats). Returns 0, or -2 without memory. hd % VL must be 0. */
+int tg_decode_attention(const float *q, long q_ld, const long *q_rows, long nseq, long pad_row,
+                        const float *k_cache, const float *v_cache, const long *tables,
+                        long tbl_ld, const long *ctx_lens, long max_ctx, long bs, long nh,
+                        long nkv, long hd, float scale, long window, float *out, long out_ld,
+                        int nthreads) {
+    long rep = nh / nkv, row = nkv * hd; /* floats per cached token */
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && nseq * nkv > 1)
+    {
+        float *p = malloc((size_t)(max_ctx > 0 ? max_ctx : 1) * sizeof(float));
+        if (!p) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (long s = 0; s < nseq; s++)
+            for (long g = 0; g < nkv; g++) {
+                if (!p || q_rows[s] >= pad_row) continue;
+                long n = ctx_lens[s], lo = window > 0 && n > window ? n - window : 0;
+                const long *table = tables + s * tbl_ld;
+                for (long h = g * rep; h < (g + 1) * rep; h++) {
+                    const float *qh = q + q_rows[s] * q_ld + h * hd;
+                    float m = -INFINITY;
+                    for (long j = lo; j < n; j++) {
+                        const float *kj = k_cache + (table[j / bs] * bs + j % bs) * row + g * hd;
+                        vf acc = {};
+                        for (long d = 0; d < hd; d += VL)
+                            acc += *(const vfu *)(qh + d) * *(const vfu *)(kj + d);
+                        float sc = vsum(acc) * scale;
+                        p[j - lo] = sc;
+                        m = sc > m ? sc : m;
+                    }
+                    long len = n - lo;
+                    float total = 0.0f;
+                    long j = 0;
+                    for (; j + VL <= len; j += VL) {
+                        vf e = vexp_neg(*(vfu *)(p + j) - m);
+                        *(vfu *)(p + j) = e;
+                        total += vsum(e);
+                    }
+                    for (; j < len; j++) {
+                        vf v = (vf){} - 100.0f;
+                        v[0] = p[j] - m;
+                        p[j] = vexp_neg(v)[0];
+                        total += p[j];
+                    }
+                    float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                    float *oh = out + q_rows[s] * out_ld + h * hd;
+                    for (long d = 0; d < hd; d += VL) {
+                        vf acc = {};
+                        for (long jj = lo; jj < n; jj++) {
+                            const float *vj =
+                                v_cache + (table[jj / bs] * bs + jj % bs) * row + g * hd;
+                            acc += p[jj - lo] * *(const vfu *)(vj + d);
+                        }
+                        *(vfu *)(oh + d) = acc * inv;
+                    }
+                }
+            }
+        free(p);
+    }
+    return failed ? -2 : 0;
+}
+int tg_rows_abi(void) { return 2; }
+int tg_rows_lanes(void) { return VL; }

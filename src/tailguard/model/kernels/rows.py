@@ -26,7 +26,7 @@ __all__ = ["RowKernel", "load_row_kernel"]
 log = logging.getLogger("tailguard.engine")
 
 SOURCE = Path(__file__).with_name("rows.c")
-ABI = 1
+ABI = 2
 
 _loaded: dict[tuple[str, str], RowKernel | str] = {}
 
@@ -47,7 +47,48 @@ class RowKernel:
         self._sample.argtypes = [
             c_void_p, c_long, c_void_p, c_long, c_long, c_void_p, c_void_p, c_void_p, c_int
         ]  # fmt: skip
+        self._attn = lib.tg_decode_attention
+        self._attn.restype = ctypes.c_int
+        c_float = ctypes.c_float
+        # q, q_ld, q_rows, nseq, pad_row, k, v, tables, tbl_ld, ctx, max_ctx, bs, nh, nkv, hd,
+        # scale, window, out, out_ld, threads
+        self._attn.argtypes = [
+            c_void_p, c_long, c_void_p, c_long, c_long, c_void_p, c_void_p, c_void_p, c_long,
+            c_void_p, c_long, c_long, c_long, c_long, c_long, c_float, c_long, c_void_p, c_long,
+            c_int,
+        ]  # fmt: skip
+        self.lanes = int(lib.tg_rows_lanes())
         self._lib = lib
+
+    def decode_attention(
+        self,
+        q: Tensor,
+        q_rows: Tensor,
+        pad_row: int,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        tables: Tensor,
+        ctx_lens: Tensor,
+        max_ctx: int,
+        window: int,
+        out: Tensor,
+        threads: int = 1,
+    ) -> None:
+        """One query per sequence (a decode group), over the paged cache in place: for each
+        sequence s with q_rows[s] < pad_row, out[q_rows[s]] = softmax(q K^T / sqrt(hd)) V over
+        its last ctx_lens[s] positions (within `window`, 0: none), GQA heads as in
+        transformers' repeat_kv. q [T, nh, hd] and out [T, nh * hd] fp32 contiguous; caches
+        [blocks, bs, nkv, hd]; tables [G, B] and ctx_lens [G] int64."""
+        _, nh, hd = q.shape
+        _, bs, nkv, _ = k_cache.shape
+        rc = self._attn(
+            q.data_ptr(), nh * hd, q_rows.data_ptr(), q_rows.shape[0], pad_row,
+            k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+            ctx_lens.data_ptr(), max_ctx, bs, nh, nkv, hd, hd**-0.5, window, out.data_ptr(),
+            out.stride(0), threads,
+        )  # fmt: skip
+        if rc != 0:  # pragma: no cover - a few KiB of scratch per thread
+            raise MemoryError("decode attention: no memory for the scores")
 
     @staticmethod
     def _checked(logits: Tensor) -> None:
