@@ -284,3 +284,23 @@ def test_engine_generates_the_same_tokens_with_the_decode_attention_kernel(
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         runs.append(tokens)
     assert runs[0] == runs[1]
+
+
+def test_fused_forward_matches_the_torch_forward(tmp_path: Path) -> None:
+    """RMSNorm, RoPE, silu(gate) * up and decode attention on the row kernels against the
+    plain torch forward of the same checkpoint: a prefill, then two decode steps."""
+    kernel = load_row_kernel()
+    if kernel is None:
+        pytest.skip("the row kernels could not be built here (no C compiler?)")
+    folder = make_checkpoint(tmp_path / "ckpt")
+    plain, _ = load_model(folder, dtype=torch.float32)
+    fused, _ = load_model(folder, dtype=torch.float32)
+    assert fused.use_decode_kernel(kernel)
+    prompts = [[5, 9, 17, 3, 22, 8, 1, 40, 2], [40, 2], [7] * 21]
+    caches = [PagedCache(m.config, num_blocks=80, block_size=4) for m in (plain, fused)]
+    steps = [[[(i, p) for i, p in enumerate(prompts)]], [[(i, [11 + i]) for i in range(3)]]]
+    steps.append([[(i, [30 + i]) for i in range(3)]])
+    for groups in steps:
+        _, want, _ = caches[0].run(plain, groups)
+        _, got, _ = caches[1].run(fused, groups)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

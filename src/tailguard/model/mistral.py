@@ -144,8 +144,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused: RowKernel | None = None  # one compiled pass (CPU fp32) where set
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused is not None and x.dtype == torch.float32 and x.is_contiguous():
+            return self.fused.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight, exactly as transformers does, so
         # bf16 serving rounds at the same places as the reference.
         xf = x.float()
@@ -184,9 +187,17 @@ class Attention(nn.Module):
         kv_cache: tuple[Tensor, Tensor],  # each [num_blocks, block_size, nkv, hd]
     ) -> Tensor:
         n_tok = x.shape[0]
-        q, k, v = self.wqkv(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(n_tok, self.n_head, self.head_dim), cos, sin)  # [T, nh, hd]
-        k = apply_rope(k.view(n_tok, self.n_kv, self.head_dim), cos, sin)  # [T, nkv, hd]
+        qkv = self.wqkv(x)
+        kernel = self.decode_kernel
+        if kernel is not None and qkv.is_contiguous():  # q and k rotated in place, one pass
+            kernel.rope_(qkv, self.n_head + self.n_kv, self.head_dim, cos[:, 0], sin[:, 0])
+            q, k, v = qkv.split(self.split, dim=-1)
+            q = q.view(n_tok, self.n_head, self.head_dim)  # [T, nh, hd], rows strided
+            k = k.view(n_tok, self.n_kv, self.head_dim)
+        else:
+            q, k, v = qkv.split(self.split, dim=-1)
+            q = apply_rope(q.view(n_tok, self.n_head, self.head_dim), cos, sin)  # [T, nh, hd]
+            k = apply_rope(k.view(n_tok, self.n_kv, self.head_dim), cos, sin)  # [T, nkv, hd]
         v = v.view(n_tok, self.n_kv, self.head_dim)  # [T, nkv, hd]
 
         # Write this step's K/V first, so each group then reads its context (own new tokens
@@ -245,9 +256,13 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fused: RowKernel | None = None  # silu(gate) * up in one compiled pass where set
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)  # [T, I] each
+        gate_up = self.w13(x)  # [T, 2I]
+        if self.fused is not None and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
+            return self.w2(self.fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return self.w2(F.silu(gate) * up)
 
 
@@ -325,17 +340,24 @@ class MistralModel(nn.Module):
         return self.norm(x)
 
     def use_decode_kernel(self, kernel: RowKernel | None) -> bool:
-        """Run decode groups' attention on `kernel` (model/kernels/rows.c) where it applies:
-        CPU fp32, head_dim a whole number of its vector lanes. Returns whether it does."""
+        """Run decode groups' attention, RoPE, RMSNorm and the MLP's silu(gate) * up on
+        `kernel` (model/kernels/rows.c) where it applies: CPU fp32, head_dim, hidden and
+        intermediate sizes whole numbers of its vector lanes. Returns whether it does."""
+        c = self.config
         ok = (
             kernel is not None
             and self.dtype == torch.float32
             and self.device.type == "cpu"
-            and self.config.head_dim % kernel.lanes == 0
+            and all(n % kernel.lanes == 0 for n in (c.head_dim, c.hidden_size, c.intermediate_size))
         )
+        use = kernel if ok else None
+        self.norm.fused = use
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.attn.decode_kernel = kernel if ok else None
+            layer.attn.decode_kernel = use
+            layer.attn_norm.fused = use
+            layer.ffn_norm.fused = use
+            layer.mlp.fused = use
         return ok
 
     def prepack(self, pack: bool = True, kernel: SmallMKernel | None = None) -> None:

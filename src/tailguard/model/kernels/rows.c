@@ -213,5 +213,56 @@ int tg_decode_attention(const float *q, long q_ld, const long *q_rows, long nseq
     }
     return failed ? -2 : 0;
 }
-int tg_rows_abi(void) { return 2; }
+int tg_rows_abi(void) { return 3; }
+/* ---- fused elementwise ops of a forward (fp32, rows of a contiguous [T, ...] tensor) ---- */
+
+/* y[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), H % VL == 0. */
+void tg_rms_norm(const float *x, const float *w, float *y, long T, long H, float eps) {
+    for (long t = 0; t < T; t++) {
+        const float *xt = x + t * H;
+        vf acc = {};
+        for (long d = 0; d < H; d += VL) {
+            vf v = *(const vfu *)(xt + d);
+            acc += v * v;
+        }
+        float r = 1.0f / sqrtf(vsum(acc) / (float)H + eps);
+        for (long d = 0; d < H; d += VL)
+            *(vfu *)(y + t * H + d) = *(const vfu *)(w + d) * (*(const vfu *)(xt + d) * r);
+    }
+}
+
+/* y[t, i] = silu(gu[t, i]) * gu[t, I + i] for gu [T, 2I], I % VL == 0. */
+void tg_silu_mul(const float *gu, float *y, long T, long I) {
+    for (long t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        for (long i = 0; i < I; i += VL) {
+            vf a = *(const vfu *)(g + i);
+            /* silu(a) = a / (1 + e^-a); e^-|a| keeps the exp's argument <= 0 */
+            vi neg = a < 0.0f;
+            vf e = vexp_neg((vf)((vi)a | ((vi){} + INT32_MIN))); /* e^-|a|: the sign bit set */
+            vf sig_pos = 1.0f / (1.0f + e);                  /* sigmoid(|a|) */
+            vf sig = (vf)(((vi)(1.0f - sig_pos) & neg) | ((vi)sig_pos & ~neg));
+            *(vfu *)(y + t * I + i) = a * sig * *(const vfu *)(u + i);
+        }
+    }
+}
+
+/* Rotate-half RoPE in place on the first `heads` heads of each row of x [T, ld] (heads of hd
+ * floats), cos / sin [T, hd]: x1' = x1 c - x2 s, x2' = x2 c + x1 s over the two halves. */
+void tg_rope(float *x, long ld, long T, long heads, long hd, const float *cos_t,
+             const float *sin_t) {
+    long half = hd / 2;
+    for (long t = 0; t < T; t++) {
+        const float *c = cos_t + t * hd, *s = sin_t + t * hd;
+        for (long h = 0; h < heads; h++) {
+            float *v = x + t * ld + h * hd;
+            for (long i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
 int tg_rows_lanes(void) { return VL; }

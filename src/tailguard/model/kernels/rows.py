@@ -26,7 +26,7 @@ __all__ = ["RowKernel", "load_row_kernel"]
 log = logging.getLogger("tailguard.engine")
 
 SOURCE = Path(__file__).with_name("rows.c")
-ABI = 2
+ABI = 3
 
 _loaded: dict[tuple[str, str], RowKernel | str] = {}
 
@@ -58,7 +58,36 @@ class RowKernel:
             c_int,
         ]  # fmt: skip
         self.lanes = int(lib.tg_rows_lanes())
+        self._rms = lib.tg_rms_norm
+        self._rms.restype = None
+        self._rms.argtypes = [c_void_p, c_void_p, c_void_p, c_long, c_long, c_float]
+        self._silu = lib.tg_silu_mul
+        self._silu.restype = None
+        self._silu.argtypes = [c_void_p, c_void_p, c_long, c_long]
+        self._rope = lib.tg_rope
+        self._rope.restype = None
+        self._rope.argtypes = [c_void_p, c_long, c_long, c_long, c_long, c_void_p, c_void_p]
         self._lib = lib
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """weight * x / sqrt(mean(x^2) + eps) over the last dim of contiguous fp32 [T, H]."""
+        y = torch.empty_like(x)
+        self._rms(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+        return y
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """silu(gate) * up of contiguous fp32 [T, 2I] (gate first): [T, I]."""
+        t, two_i = gate_up.shape
+        y = gate_up.new_empty(t, two_i // 2)
+        self._silu(gate_up.data_ptr(), y.data_ptr(), t, two_i // 2)
+        return y
+
+    def rope_(self, x: Tensor, heads: int, head_dim: int, cos: Tensor, sin: Tensor) -> None:
+        """Rotate-half RoPE in place on the first `heads` heads of each row of contiguous fp32
+        x [T, >= heads * head_dim]; cos, sin contiguous [T, head_dim]."""
+        self._rope(
+            x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(), sin.data_ptr()
+        )
 
     def decode_attention(
         self,
@@ -77,12 +106,15 @@ class RowKernel:
         """One query per sequence (a decode group), over the paged cache in place: for each
         sequence s with q_rows[s] < pad_row, out[q_rows[s]] = softmax(q K^T / sqrt(hd)) V over
         its last ctx_lens[s] positions (within `window`, 0: none), GQA heads as in
-        transformers' repeat_kv. q [T, nh, hd] and out [T, nh * hd] fp32 contiguous; caches
+        transformers' repeat_kv. q [T, nh, hd] fp32 (rows may be strided: a view of the fused
+        qkv), out [T, nh * hd] fp32 contiguous; caches
         [blocks, bs, nkv, hd]; tables [G, B] and ctx_lens [G] int64."""
         _, nh, hd = q.shape
         _, bs, nkv, _ = k_cache.shape
+        if q.stride(2) != 1 or q.stride(1) != hd:
+            raise ValueError(f"decode attention reads q rows of [nh, hd]: strides {q.stride()}")
         rc = self._attn(
-            q.data_ptr(), nh * hd, q_rows.data_ptr(), q_rows.shape[0], pad_row,
+            q.data_ptr(), q.stride(0), q_rows.data_ptr(), q_rows.shape[0], pad_row,
             k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             ctx_lens.data_ptr(), max_ctx, bs, nh, nkv, hd, hd**-0.5, window, out.data_ptr(),
             out.stride(0), threads,
