@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ import aiohttp
 from bench_batch import _run, run_tailguard
 from tailguard.tools.batch.report import percentile
 from tailguard.tools.lab.procs import free_port, serving
-from tailguard.tools.load.server_metrics import HistogramSnapshot, scrape_many
+from tailguard.tools.load.server_metrics import HistogramSnapshot, parse_histogram
 
 WORDS = (  # noqa: SIM905 (a sentence reads better than 41 quoted words)
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
@@ -146,19 +146,60 @@ LOOP_LAG = "tailguard_event_loop_lag_seconds"
 CPU_SECONDS = "tailguard_process_cpu_seconds_total{"
 
 
-async def process_cpu(url: str) -> dict[str, float]:
-    """The server's CPU seconds so far, by process (http, engine)."""
+@dataclass
+class Scrape:
+    """One GET of the server's /metrics: some histograms, its CPU seconds by process (http,
+    engine), and the load client's own CPU seconds and the clock when it was taken."""
+
+    hist: dict[str, HistogramSnapshot]
+    cpu: dict[str, float]
+    client_cpu_s: float
+    t_s: float
+
+
+async def scrape(url: str, names: tuple[str, ...]) -> Scrape:
     async with (
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s,
         s.get(url) as r,
     ):
         text = await r.text()
-    out = {}
+    cpu = {}
     for line in text.splitlines():
         if line.startswith(CPU_SECONDS):
             label = line.split('process="', 1)[1].split('"', 1)[0]
-            out[label] = float(line.rsplit(None, 1)[1])
-    return out
+            cpu[label] = float(line.rsplit(None, 1)[1])
+    hist = {n: parse_histogram(text, n) for n in names}
+    return Scrape(hist, cpu, time.process_time(), time.monotonic())
+
+
+@dataclass
+class EngineWindow:
+    """What the engine and the processes did between two scrapes."""
+
+    busy: float = math.nan  # share of the window's wall time the engine spent in steps
+    step_ms: float = math.nan  # mean engine step
+    seqs_per_step: float = math.nan  # mean sequences per engine step
+    cores: str = ""  # cores used, by process: the server's and the load client
+
+    @classmethod
+    def between(cls, a: Scrape, b: Scrape, idle_s: float = 0.0) -> EngineWindow:
+        """`idle_s`: pauses inside the window not to count as the engine's wall time."""
+        wall = b.t_s - a.t_s
+        cores = " ".join(f"{k} {(b.cpu[k] - a.cpu.get(k, 0.0)) / wall:.2f}" for k in sorted(b.cpu))
+        w = cls(cores=f"{cores} client {(b.client_cpu_s - a.client_cpu_s) / wall:.2f}")
+        step0, step1 = a.hist[ENGINE_STEP], b.hist[ENGINE_STEP]
+        steps = step1.count - step0.count
+        if steps > 0:
+            busy = step1.sum - step0.sum
+            w.busy, w.step_ms = busy / (wall - idle_s), busy / steps * 1e3
+            w.seqs_per_step = (b.hist[BATCH_SIZE].sum - a.hist[BATCH_SIZE].sum) / steps
+        return w
+
+    def __str__(self) -> str:
+        return (
+            f"engine busy {self.busy:.0%} ({self.step_ms:.1f} ms steps of "
+            f"{self.seqs_per_step:.1f} seqs), cores: {self.cores}"
+        )
 
 
 async def closed_loop(
@@ -191,27 +232,15 @@ async def measure_level(
     run per level (session 17). Throughput is the pooled answers over the pooled time."""
     ok: list[float] = []
     errors = 0
-    names = (ENGINE_STEP, BATCH_SIZE)
-    first, cpu0 = await scrape_many(base + "/metrics", names), await process_cpu(base + "/metrics")
-    t0, client0 = time.monotonic(), time.process_time()
+    first = await scrape(base + "/metrics", (ENGINE_STEP, BATCH_SIZE))
     for r in range(repeats):
         if r:
             await asyncio.sleep(gap_s)
         got, bad = await closed_loop(base, w, conc, seconds, seed=conc * 100 + r)
         ok += got
         errors += bad
-    wall, client = time.monotonic() - t0, time.process_time() - client0
-    last, cpu1 = await scrape_many(base + "/metrics", names), await process_cpu(base + "/metrics")
-    steps = last[ENGINE_STEP].count - first[ENGINE_STEP].count
-    if steps > 0:
-        busy = last[ENGINE_STEP].sum - first[ENGINE_STEP].sum
-        seqs = (last[BATCH_SIZE].sum - first[BATCH_SIZE].sum) / steps
-        cores = " ".join(f"{k} {(cpu1[k] - cpu0.get(k, 0.0)) / wall:.2f}" for k in sorted(cpu1))
-        print(
-            f"      engine: {busy / steps * 1e3:.1f} ms steps of {seqs:.1f} seqs, busy "
-            f"{busy / wall:.0%}; cores: {cores} client {client / wall:.2f}",
-            flush=True,
-        )
+    last = await scrape(base + "/metrics", (ENGINE_STEP, BATCH_SIZE))
+    print(f"      {EngineWindow.between(first, last, gap_s * (repeats - 1))}", flush=True)
     return Level(conc, len(ok) / (seconds * repeats), pct(ok, 99) * 1e3, errors)
 
 
@@ -263,10 +292,7 @@ class OpenLevel:
     # taken by the handler) within the SLA; the rest of the client's lateness is outside it
     intake_p99_s: float = math.nan  # server: socket read -> parsed, p99 (a bucket bound)
     loop_lag_p99_s: float = math.nan  # server: HTTP event-loop lag, p99 (a bucket bound)
-    cpu: str = ""  # cores used during the level: the server's processes and the load client
-    engine_busy: float = math.nan  # share of the level's wall time the engine spent in steps
-    step_ms: float = math.nan  # mean engine step
-    seqs_per_step: float = math.nan  # mean sequences per engine step
+    engine: EngineWindow = field(default_factory=EngineWindow)
 
     @property
     def goodput_share(self) -> float:
@@ -339,24 +365,18 @@ def ratio_quantiles(
 async def measured_level(
     base: str, w: Workload, rate: float, seconds: float, sla_s: float, seed: int
 ) -> OpenLevel:
-    """`open_loop`, with the server's prediction-ratio histogram scraped around it."""
+    """`open_loop`, with the server's histograms, CPU and engine steps scraped around it."""
     url = base + "/metrics"
     names = (PREDICTION_RATIO, SERVER_TTFT, ENGINE_STEP, BATCH_SIZE, INTAKE_WAIT, LOOP_LAG)
-    first, cpu0 = await scrape_many(url, names), await process_cpu(url)
-    t0, client0 = time.monotonic(), time.process_time()
+    a = await scrape(url, names)
     lv = await open_loop(base, w, rate, seconds, sla_s, seed)
-    wall, client = time.monotonic() - t0, time.process_time() - client0
-    last, cpu1 = await scrape_many(url, names), await process_cpu(url)
-    lv.cpu = " ".join(f"{k} {(cpu1[k] - cpu0.get(k, 0.0)) / wall:.2f}" for k in sorted(cpu1))
-    lv.cpu += f" client {client / wall:.2f}"
-    steps = last[ENGINE_STEP].count - first[ENGINE_STEP].count
-    if steps > 0:
-        busy = last[ENGINE_STEP].sum - first[ENGINE_STEP].sum
-        lv.engine_busy, lv.step_ms = busy / wall, busy / steps * 1e3
-        lv.seqs_per_step = (last[BATCH_SIZE].sum - first[BATCH_SIZE].sum) / steps
-    before, after = first[PREDICTION_RATIO], last[PREDICTION_RATIO]
+    b = await scrape(url, names)
+    first, last = a.hist, b.hist
+    lv.engine = EngineWindow.between(a, b)
     ttft0, ttft1 = first[SERVER_TTFT], last[SERVER_TTFT]
-    lv.ratio_p50, lv.ratio_p90, lv.ratio_p99 = ratio_quantiles(before, after)
+    lv.ratio_p50, lv.ratio_p90, lv.ratio_p99 = ratio_quantiles(
+        first[PREDICTION_RATIO], last[PREDICTION_RATIO]
+    )
     (lv.intake_p99_s,) = ratio_quantiles(first[INTAKE_WAIT], last[INTAKE_WAIT], (0.99,))
     (lv.loop_lag_p99_s,) = ratio_quantiles(first[LOOP_LAG], last[LOOP_LAG], (0.99,))
     n = ttft1.count - ttft0.count
@@ -500,9 +520,7 @@ def main() -> int:
                         + (f", server TTFT in time {lv.server_in_time:.2%}" * w.stream)
                         + f", client send lag p99 {lv.send_lag_p99_ms:.1f} ms"
                         + f", server intake p99 <= {lv.intake_p99_s * 1e3:g} ms, loop lag p99"
-                        f" <= {lv.loop_lag_p99_s * 1e3:g} ms"
-                        + f", engine busy {lv.engine_busy:.0%} ({lv.step_ms:.1f} ms steps of"
-                        f" {lv.seqs_per_step:.1f} seqs), cores: {lv.cpu}",
+                        f" <= {lv.loop_lag_p99_s * 1e3:g} ms" + f", {lv.engine}",
                         flush=True,
                     )
                     time.sleep(a.gap_s)
@@ -561,7 +579,7 @@ def main() -> int:
                 {
                     "oracle": oracles,
                     "levels": {
-                        v: {k: [vars(x) for x in lv] for k, lv in r.items()}
+                        v: {k: [asdict(x) for x in lv] for k, lv in r.items()}
                         for v, r in results.items()
                     },
                     "batch": {v: vars(b) | {"latencies_s": None} for v, b in batches.items()},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -90,21 +91,29 @@ def test_group_shape_pads_each_attention_dimension() -> None:
     assert group_shape(3, 100, 33, ladder) == ("attn", 4, 128, 48)
 
 
-def test_attention_shapes_cover_every_group_the_budgets_allow() -> None:
-    """Random groups that fit the budgets (the scheduler's only constraints on a group): each
-    one's padded shape is in the warm-up set; and the set is not everything (it is pruned)."""
-    seqs, budget, bs = 32, 256, 16
-    ladder = block_ladder(2048 // bs)
-    shapes = set(attention_shapes(seqs, budget, bs, ladder))
-    rng = random.Random(3)
-    for _ in range(20_000):
+def _feasible_groups(
+    rng: random.Random, seqs: int, budget: int, bs: int, tries: int = 20_000
+) -> Iterator[tuple[int, int, int]]:
+    """(sequences, longest chunk, longest block table) of random groups that fit the budgets
+    (the scheduler's only constraints on a group), 2,048-token contexts at most."""
+    for _ in range(tries):
         decode = rng.random() < 0.3
         n = rng.randint(1, seqs if decode else budget // 2)
         news = [1] * n if decode else [rng.randint(2, budget) for _ in range(n)]
         if sum(news) > budget:
             continue
         tables = [rng.randint(-(-new // bs), 2048 // bs) for new in news]
-        assert group_shape(n, max(news), max(tables), ladder) in shapes
+        yield n, max(news), max(tables)
+
+
+def test_attention_shapes_cover_every_group_the_budgets_allow() -> None:
+    """Random groups that fit the budgets (the scheduler's only constraints on a group): each
+    one's padded shape is in the warm-up set; and the set is not everything (it is pruned)."""
+    seqs, budget, bs = 32, 256, 16
+    ladder = block_ladder(2048 // bs)
+    shapes = set(attention_shapes(seqs, budget, bs, ladder))
+    for n, max_new, max_table in _feasible_groups(random.Random(3), seqs, budget, bs):
+        assert group_shape(n, max_new, max_table, ladder) in shapes
     assert ("attn", 32, 256, 4) not in shapes  # 17+ sequences of 129+ tokens: over budget
 
 
@@ -118,15 +127,8 @@ def test_groups_pad_to_the_sequence_buckets_and_every_budgeted_group_is_covered(
     seqs, budget, bs = 96, 512, 16
     shapes = set(attention_shapes(seqs, budget, bs, ladder, groups))
     assert {k[1] for k in shapes} == {g for g in groups if g <= 96}
-    rng = random.Random(5)
-    for _ in range(20_000):
-        decode = rng.random() < 0.3
-        n = rng.randint(1, seqs if decode else budget // 2)
-        news = [1] * n if decode else [rng.randint(2, budget) for _ in range(n)]
-        if sum(news) > budget:
-            continue
-        tables = [rng.randint(-(-new // bs), 2048 // bs) for new in news]
-        assert group_shape(n, max(news), max(tables), ladder, groups) in shapes
+    for n, max_new, max_table in _feasible_groups(random.Random(5), seqs, budget, bs):
+        assert group_shape(n, max_new, max_table, ladder, groups) in shapes
 
 
 def test_spread_takes_a_geometric_subset_with_both_ends() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import random
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from tailguard.model.kernels import (
     load_small_m_kernel,
     small_m_unavailable_reason,
 )
-from tailguard.model.kernels.rows import _check as rows_check
+from tailguard.model.kernels.rows import self_check
 from tailguard.model.loader import load_model
 from tailguard.model.mistral import (
     Attention,
@@ -110,20 +111,29 @@ def _fake_compiler(folder: Path) -> Path:
     return cc
 
 
-def test_no_compiler_or_failed_build_falls_back_with_one_line(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def _fallback_lines(
+    load: Callable[..., object], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> list[str]:
+    """Ask `load` twice with no compiler (cache k1) and with one that fails (cache k2): both
+    answers None; the log lines the asks left."""
     missing = str(tmp_path / "no-such-cc")
     broken = str(_fake_compiler(tmp_path))
     with caplog.at_level(logging.WARNING, logger="tailguard.engine"):
         for _ in range(2):  # the second ask is answered from the first, silently
-            assert load_small_m_kernel(missing, tmp_path / "k1") is None
-            assert load_small_m_kernel(broken, tmp_path / "k2") is None
-    lines = [r.getMessage() for r in caplog.records]
+            assert load(missing, tmp_path / "k1") is None
+            assert load(broken, tmp_path / "k2") is None
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_no_compiler_or_failed_build_falls_back_with_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    lines = _fallback_lines(load_small_m_kernel, tmp_path, caplog)
     assert len(lines) == 2, lines
     assert "small-M kernel unavailable, using oneDNN: no C compiler" in lines[0]
     assert "no-such-cc" in lines[0]
     assert "compiling gemv.c failed" in lines[1] and "no such luck" in lines[1]
+    missing = str(tmp_path / "no-such-cc")
     assert small_m_unavailable_reason(missing, tmp_path / "k1") is not None
     assert not list((tmp_path / "k2").glob("*")), "a failed build leaves no file behind"
 
@@ -132,22 +142,28 @@ def test_row_kernels_fall_back_with_one_line_and_are_checked(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """rows.c is built like gemv.c: no compiler or a failed build is None plus one warning;
-    a library that builds is self-checked against torch before use."""
-    missing = str(tmp_path / "no-such-cc")
-    broken = str(_fake_compiler(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="tailguard.engine"):
-        for _ in range(2):
-            assert load_row_kernel(missing, tmp_path / "r1") is None
-            assert load_row_kernel(broken, tmp_path / "r2") is None
-    lines = [r.getMessage() for r in caplog.records]
+    a library that builds is self-checked against torch before use, and the check catches a
+    wrong argmax or a wrong draw."""
+    lines = _fallback_lines(load_row_kernel, tmp_path, caplog)
     assert len(lines) == 2, lines
     assert "row kernels unavailable, using torch: no C compiler" in lines[0]
     assert "compiling rows.c failed" in lines[1]
     built = load_row_kernel(cache_dir=tmp_path / "r3")
     if built is None:
         pytest.skip("no working C compiler here")
-    assert rows_check(built) is None
+    assert self_check(built) is None
     assert [p.name.startswith("rows-") for p in (tmp_path / "r3").glob("*.so")] == [True]
+
+    class OffByOne:  # the built kernel, one column off
+        def argmax(self, *a: object) -> list[int]:
+            return [i + 1 for i in built.argmax(*a)]  # type: ignore[arg-type]
+
+        def sample(self, *a: object) -> list[int]:
+            return [i + 1 for i in built.sample(*a)]  # type: ignore[arg-type]
+
+    assert "argmax self-check failed" in (self_check(OffByOne()) or "")  # type: ignore[arg-type]
+    OffByOne.argmax = lambda self, *a: built.argmax(*a)  # type: ignore[method-assign,assignment]
+    assert "sampling self-check failed" in (self_check(OffByOne()) or "")  # type: ignore[arg-type]
 
 
 def _logits(model: MistralModel, prompts: list[list[int]]) -> torch.Tensor:
@@ -273,7 +289,7 @@ def test_engine_generates_the_same_tokens_with_the_decode_attention_kernel(
         core = EngineCore(
             EngineConfig(model_dir=str(model), threads=1, nice=0, row_kernels=on), model
         )
-        assert (core.runner.model.layers[0].attn.decode_kernel is not None) == on
+        assert (core.runner.model.layers[0].attn.fused is not None) == on
         core.warmup()
         for i, p in enumerate(prompts):
             sp = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -295,7 +311,7 @@ def test_fused_forward_matches_the_torch_forward(tmp_path: Path) -> None:
     folder = make_checkpoint(tmp_path / "ckpt")
     plain, _ = load_model(folder, dtype=torch.float32)
     fused, _ = load_model(folder, dtype=torch.float32)
-    assert fused.use_decode_kernel(kernel)
+    assert fused.use_row_kernel(kernel)
     prompts = [[5, 9, 17, 3, 22, 8, 1, 40, 2], [40, 2], [7] * 21]
     caches = [PagedCache(m.config, num_blocks=80, block_size=4) for m in (plain, fused)]
     steps = [[[(i, p) for i, p in enumerate(prompts)]], [[(i, [11 + i]) for i in range(3)]]]

@@ -79,7 +79,7 @@ class ModelRunner:
         self.row_kernel = (
             load_row_kernel() if config.row_kernels and self.device.type == "cpu" else None
         )
-        self.model.use_decode_kernel(self.row_kernel)
+        self.model.use_row_kernel(self.row_kernel)
         if config.prepack_weights or self.small_m_kernel is not None:
             # a no-op where neither oneDNN packing nor the kernel applies (CUDA, fp16)
             self.model.prepack(pack=config.prepack_weights, kernel=self.small_m_kernel)

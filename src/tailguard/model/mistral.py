@@ -175,7 +175,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
         self.window = config.sliding_window or 0
         # decode groups on our own kernel (model/kernels/rows.c) where set: CPU fp32
-        self.decode_kernel: RowKernel | None = None
+        self.fused: RowKernel | None = None
 
     def forward(
         self,
@@ -183,12 +183,12 @@ class Attention(nn.Module):
         cos: Tensor,  # [T, 1, hd]
         sin: Tensor,  # [T, 1, hd]
         batch: ForwardBatch,
-        masks: list[Tensor],  # per group [G, 1, Q, S]
+        masks: list[Tensor | None],  # per group [G, 1, Q, S]; None: a decode group on `fused`
         kv_cache: tuple[Tensor, Tensor],  # each [num_blocks, block_size, nkv, hd]
     ) -> Tensor:
         n_tok = x.shape[0]
         qkv = self.wqkv(x)
-        kernel = self.decode_kernel
+        kernel = self.fused
         if kernel is not None and qkv.is_contiguous():  # q and k rotated in place, one pass
             kernel.rope_(qkv, self.n_head + self.n_kv, self.head_dim, cos[:, 0], sin[:, 0])
             q, k, v = qkv.split(self.split, dim=-1)
@@ -208,18 +208,21 @@ class Attention(nn.Module):
 
         # Row T of both buffers is the padding row: padded queries read zeros from it and
         # their outputs land there, so flat padding rows stay zero (finite) and nothing races.
-        q_ext = torch.cat((q, q.new_zeros(1, self.n_head, self.head_dim)))  # [T+1, nh, hd]
         out = x.new_zeros(n_tok + 1, self.n_head * self.head_dim)  # [T+1, nh*hd]
+        q_ext: Tensor | None = None  # [T+1, nh, hd], made for the torch path only
         for group, mask in zip(batch.groups, masks, strict=True):  # a few groups, not sequences
-            if self.decode_kernel is not None and group.token_index.shape[1] == 1:
-                self.decode_kernel.decode_attention(
+            if mask is None:
+                assert kernel is not None
+                kernel.decode_attention(
                     q, group.token_index[:, 0].contiguous(), n_tok, k_cache, v_cache,
                     group.block_tables, group.context_lens,
                     group.block_tables.shape[1] * k_cache.shape[1], self.window, out,
                     torch.get_num_threads(),
                 )  # fmt: skip
-            else:
-                self.attend(q_ext, group, mask, k_cache, v_cache, out)
+                continue
+            if q_ext is None:
+                q_ext = torch.cat((q, q.new_zeros(1, self.n_head, self.head_dim)))
+            self.attend(q_ext, group, mask, k_cache, v_cache, out)
         return self.wo(out[:n_tok])  # [T, H]
 
     def attend(
@@ -280,7 +283,7 @@ class DecoderLayer(nn.Module):
         cos: Tensor,
         sin: Tensor,
         batch: ForwardBatch,
-        masks: list[Tensor],
+        masks: list[Tensor | None],
         kv_cache: tuple[Tensor, Tensor],
     ) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, batch, masks, kv_cache)
@@ -296,6 +299,7 @@ class MistralModel(nn.Module):
         super().__init__()
         self.config = config
         self._head_packed: nn.Module | None = None  # the output head after prepack()
+        self.row_kernel: RowKernel | None = None  # set by use_row_kernel() on every layer
         # Initialised by hand and not on the meta device (the loader builds there and assigns
         # real tensors): normal_() on meta pulls in torch's Python reference kernels, a one-off
         # ~1-2 s import that would dominate loading a small model.
@@ -325,8 +329,11 @@ class MistralModel(nn.Module):
         cos = self.rope_cos.index_select(0, batch.positions).to(x.dtype)[:, None]  # [T, 1, hd]
         sin = self.rope_sin.index_select(0, batch.positions).to(x.dtype)[:, None]  # [T, 1, hd]
         block_size = kv_caches[0][0].shape[1]
+        on_kernel = self.row_kernel is not None  # its decode groups need no mask
         masks = [  # identical in every layer: build once per step
-            attention_mask(
+            None
+            if on_kernel and g.token_index.shape[1] == 1
+            else attention_mask(
                 g,
                 x.shape[0],
                 g.block_tables.shape[1] * block_size,
@@ -339,7 +346,7 @@ class MistralModel(nn.Module):
             x = layer(x, cos, sin, batch, masks, kv_cache)
         return self.norm(x)
 
-    def use_decode_kernel(self, kernel: RowKernel | None) -> bool:
+    def use_row_kernel(self, kernel: RowKernel | None) -> bool:
         """Run decode groups' attention, RoPE, RMSNorm and the MLP's silu(gate) * up on
         `kernel` (model/kernels/rows.c) where it applies: CPU fp32, head_dim, hidden and
         intermediate sizes whole numbers of its vector lanes. Returns whether it does."""
@@ -350,11 +357,11 @@ class MistralModel(nn.Module):
             and self.device.type == "cpu"
             and all(n % kernel.lanes == 0 for n in (c.head_dim, c.hidden_size, c.intermediate_size))
         )
-        use = kernel if ok else None
+        use = self.row_kernel = kernel if ok else None
         self.norm.fused = use
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.attn.decode_kernel = use
+            layer.attn.fused = use
             layer.attn_norm.fused = use
             layer.ffn_norm.fused = use
             layer.mlp.fused = use

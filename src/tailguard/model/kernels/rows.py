@@ -4,31 +4,25 @@
     ids = kernel.argmax(logits, rows)      # logits [R, V] fp32; rows: the row indices wanted
     ids = kernel.sample(logits, rows, temperatures, uniforms)
 
-Built and cached like the small-M linear (small_m.py: `build_library`), checked against torch
+Built and cached like the small-M linear (build.py), checked against torch (`self_check`)
 before first use; anything failing means None and the engine's torch path (engine/sampling.py).
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from tailguard.model.kernels.small_m import build_library, default_cache_dir, default_compiler
+from tailguard.model.kernels.build import Loader
 
-__all__ = ["RowKernel", "load_row_kernel"]
-
-log = logging.getLogger("tailguard.engine")
+__all__ = ["RowKernel", "load_row_kernel", "self_check"]
 
 SOURCE = Path(__file__).with_name("rows.c")
 ABI = 3
-
-_loaded: dict[tuple[str, str], RowKernel | str] = {}
 
 
 class RowKernel:
@@ -172,7 +166,7 @@ class RowKernel:
         return out.tolist()
 
 
-def _check(kernel: RowKernel) -> str | None:
+def self_check(kernel: RowKernel) -> str | None:
     """None if argmax matches torch and sampling lands where the CDF says, else why not."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 1000, generator=g)
@@ -194,30 +188,12 @@ def _check(kernel: RowKernel) -> str | None:
     return None
 
 
-def _load(compiler: str, cache_dir: Path) -> RowKernel | str:
-    try:
-        path = build_library(SOURCE, compiler, cache_dir)
-    except FileNotFoundError:
-        return f"no C compiler ({compiler!r} not found; set CC)"
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        return f"compiling {SOURCE.name} failed: {exc}"
-    try:
-        lib = ctypes.CDLL(str(path))
-        if lib.tg_rows_abi() != ABI:
-            return f"{path} is not this version of the row kernels"
-        kernel = RowKernel(lib, path)
-    except (OSError, AttributeError) as exc:
-        return f"loading {path} failed: {exc}"
-    return _check(kernel) or kernel
+_LOADER: Loader[RowKernel] = Loader(
+    SOURCE, "tg_rows_abi", ABI, RowKernel, self_check, what="row kernels", fallback="torch"
+)
 
 
 def load_row_kernel(compiler: str | None = None, cache_dir: Path | None = None) -> RowKernel | None:
     """The row kernels, built and checked once per process (and per compiler / cache folder);
     None after one warning line saying why, if they cannot be had."""
-    key = (compiler or default_compiler(), str(cache_dir or default_cache_dir()))
-    got = _loaded.get(key)
-    if got is None:
-        got = _loaded[key] = _load(key[0], Path(key[1]))
-        if isinstance(got, str):
-            log.warning("tailguard: row kernels unavailable, using torch: %s", got)
-    return got if isinstance(got, RowKernel) else None
+    return _LOADER.load(compiler, cache_dir)

@@ -4,28 +4,22 @@
     wp = kernel.pack(w)              # w [N, K] fp32 -> panels, once
     y = kernel.linear(x, wp)         # x [M, K] -> [M, N]
 
-Build: `cc -O3 -march=native -fopenmp -shared -fPIC gemv.c` into
-`$TAILGUARD_CACHE/kernels/<hash>.so` (default `~/.cache/tailguard/kernels`), the
-hash covering the source, the command, the compiler's version and the CPU's flags: a new CPU
-or compiler builds afresh, and a process that finds the library built uses it without a
-compiler. The library is checked against torch on a small odd-shaped product before use.
-Anything failing (no compiler, compile error, load error, wrong result) means None: callers
-fall back to oneDNN.
+Built and cached by build.py (`cc -O3 -march=native -fopenmp -shared -fPIC gemv.c`, keyed by
+source, command, compiler version and CPU flags). The library is checked against torch on a
+small odd-shaped product before use. Anything failing (no compiler, compile error, load
+error, wrong result) means None: callers fall back to oneDNN.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from tailguard.model.kernels.build import Loader
 
 __all__ = [
     "MAX_M",
@@ -35,10 +29,7 @@ __all__ = [
     "small_m_unavailable_reason",
 ]
 
-log = logging.getLogger("tailguard.engine")
-
 SOURCE = Path(__file__).with_name("gemv.c")
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ABI = 3  # tg_kernel_abi() of the source this module expects
 
 # Rows up to which the kernel clearly beats oneDNN's fp32 matmul: measured on the 2-core
@@ -46,19 +37,6 @@ ABI = 3  # tg_kernel_abi() of the source this module expects
 # 0.85-0.95x at 64; 0.9-1.23x at 128-1,024 (noisy). The engine runs every row count on it;
 # the self-check covers up to this size.
 MAX_M = 64
-
-_loaded: dict[tuple[str, str], SmallMKernel | str] = {}  # (compiler, cache dir) -> kernel | why not
-
-
-def default_compiler() -> str:
-    return os.environ.get("CC") or "cc"
-
-
-def default_cache_dir() -> Path:
-    """`$TAILGUARD_CACHE/kernels` (default `~/.cache/tailguard/kernels`), beside the
-    embedded checkpoint."""
-    root = os.environ.get("TAILGUARD_CACHE") or str(Path.home() / ".cache" / "tailguard")
-    return Path(root) / "kernels"
 
 
 @dataclass(frozen=True)
@@ -122,51 +100,6 @@ class SmallMKernel:
         return y
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
-def build_library(source_path: Path, compiler: str, cache_dir: Path) -> Path:
-    """Compile (or find) the library of one of this folder's C files; raises OSError /
-    CalledProcessError / RuntimeError."""
-    source = source_path.read_bytes()
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
-    ).stdout
-    key = hashlib.sha256()
-    for part in (source, compiler.encode(), " ".join(CFLAGS).encode(), version.encode()):
-        key.update(part + b"\0")
-    key.update(_cpu_flags().encode())
-    path = cache_dir / f"{source_path.stem}-{key.hexdigest()[:20]}.so"
-    if path.exists():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    # Build under a temporary name and rename: concurrent processes never load a half file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *CFLAGS, "-o", tmp, str(source_path), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("tailguard: built %s", path)
-    return path
-
-
 def _check(kernel: SmallMKernel) -> str | None:
     """Compare against torch on shapes off every block size: None if right, else why not."""
     g = torch.Generator().manual_seed(0)
@@ -182,21 +115,15 @@ def _check(kernel: SmallMKernel) -> str | None:
     return None
 
 
-def _load(compiler: str, cache_dir: Path) -> SmallMKernel | str:
-    try:
-        path = build_library(SOURCE, compiler, cache_dir)
-    except FileNotFoundError:
-        return f"no C compiler ({compiler!r} not found; set CC)"
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        return f"compiling {SOURCE.name} failed: {exc}"
-    try:
-        lib = ctypes.CDLL(str(path))
-        if lib.tg_kernel_abi() != ABI:
-            return f"{path} is not this version of the kernel"
-        kernel = SmallMKernel(lib, path)
-    except (OSError, AttributeError) as exc:
-        return f"loading {path} failed: {exc}"
-    return _check(kernel) or kernel
+_LOADER: Loader[SmallMKernel] = Loader(
+    SOURCE,
+    "tg_kernel_abi",
+    ABI,
+    SmallMKernel,
+    _check,
+    what="small-M kernel",
+    fallback="oneDNN",
+)
 
 
 def load_small_m_kernel(
@@ -204,18 +131,11 @@ def load_small_m_kernel(
 ) -> SmallMKernel | None:
     """The kernel, built and checked once per process (and per compiler / cache folder);
     None after one warning line saying why, if it cannot be had."""
-    key = (compiler or default_compiler(), str(cache_dir or default_cache_dir()))
-    got = _loaded.get(key)
-    if got is None:
-        got = _loaded[key] = _load(key[0], Path(key[1]))
-        if isinstance(got, str):
-            log.warning("tailguard: small-M kernel unavailable, using oneDNN: %s", got)
-    return got if isinstance(got, SmallMKernel) else None
+    return _LOADER.load(compiler, cache_dir)
 
 
 def small_m_unavailable_reason(
     compiler: str | None = None, cache_dir: Path | None = None
 ) -> str | None:
     """Why load_small_m_kernel() gave None (after it ran), else None."""
-    got = _loaded.get((compiler or default_compiler(), str(cache_dir or default_cache_dir())))
-    return got if isinstance(got, str) else None
+    return _LOADER.reason(compiler, cache_dir)
