@@ -4,14 +4,18 @@
 
   parity     our fp32 logits on the device vs transformers fp32 on CPU, same seeded weights
              (prefill of 40 tokens, then 4 decode steps through the paged cache); TF32 off
-  engine     decode step time at batch 8 and 32 on --model (default: synth preset m), bf16
-  graphs     CUDA-graph capture of the decode forward (+ head) per decode bucket (G x B),
-             replayed and compared with the eager forward on the same inputs
-  allocator  after warm-up, 300 random requests: no device allocation (`num_device_alloc`
-             delta from torch.cuda.memory_stats()), no allocator retry, no escaped op shape
+  warmup     (always, with the three below) the engine's warm-up on --model (default: synth
+             preset m, bf16): every bucket, one CUDA graph per decode bucket, headroom; timed
+  allocator  after warm-up, 300 random requests (greedy, temperature, top-p, scoring): no
+             device allocation (`num_device_alloc` delta from torch.cuda.memory_stats()), no
+             allocator retry, no escaped op shape; the first steps that allocate are named
+  engine     decode step time at batch 8 and 32, graphs against eager on the same engine
+  graphs     the captured decode graphs replayed on random inputs against the same forward
+             run eagerly on the same static buffers
 
 Everything here also runs on CPU (tests/engine/test_gpu_checks.py does, on a tiny model): on
-CPU `graphs` checks the static-buffer replay path without a graph. Exit status 1 if any fails.
+CPU the engine runs `decode_graphs="static"`: the graphs' buffers and forward, no capture.
+Exit status 1 if any fails.
 """
 
 from __future__ import annotations
@@ -117,15 +121,49 @@ def _engine(model_dir: Path, device: torch.device, dtype: str, **kw: object) -> 
     return EngineCore(cfg, model_dir)
 
 
+def check_warmup(core: EngineCore) -> Result:
+    """Warm-up (every bucket, the decode graphs, the allocator headroom), timed."""
+    t0 = time.perf_counter()
+    core.warmup()
+    secs = time.perf_counter() - t0
+    r = core.runner
+    want_graphs = r.device.type == "cuda" or r.config.decode_graphs == "static"
+    n = 0 if r.graphs is None else len(r.graphs.keys)
+    return Result(
+        "warmup",
+        n > 0 or not want_graphs,
+        f"{secs:.1f} s; {n} decode graphs captured in {r.graph_capture_s:.1f} s; "
+        f"allocator headroom {r.headroom_bytes >> 20} MiB",
+    )
+
+
 def check_engine(core: EngineCore, batches: tuple[int, ...] = (8, 32)) -> Result:
-    """Median decode step (whole EngineCore.step) per batch size, 32-token prompts."""
-    rng = random.Random(0)
+    """Median decode step (whole EngineCore.step) per batch size, 32-token prompts, with the
+    decode graphs and without them (the same engine, graphs set aside), side by side."""
+    graphs = core.runner.graphs
     parts = []
     for b in batches:
-        for i in range(b):
+        eager = _decode_step_s(core, b, f"e{b}", use_graphs=False)
+        replay = _decode_step_s(core, b, f"g{b}", use_graphs=True) if graphs else float("nan")
+        parts.append(
+            f"batch {b}: decode step eager {eager * 1e3:.2f} ms ({b / eager:.0f} tok/s), "
+            f"graphs {replay * 1e3:.2f} ms ({b / replay:.0f} tok/s), {eager / replay:.2f}x"
+        )
+    return Result("engine", graphs is not None or core.runner.device.type != "cuda",
+                  "; ".join(parts))  # fmt: skip
+
+
+def _decode_step_s(core: EngineCore, batch: int, tag: str, use_graphs: bool) -> float:
+    runner = core.runner
+    graphs = runner.graphs
+    if not use_graphs:
+        runner.graphs = None
+    try:
+        rng = random.Random(0)
+        for i in range(batch):
             core.add(
                 EngineRequest(
-                    request_id=f"bench{b}-{i}",
+                    request_id=f"bench-{tag}-{i}",
                     prompt_token_ids=tuple(rng.randrange(3, 500) for _ in range(32)),
                     sampling=SamplingParams(max_tokens=24, ignore_eos=True),
                 )
@@ -134,75 +172,99 @@ def check_engine(core: EngineCore, batches: tuple[int, ...] = (8, 32)) -> Result
         while core.has_work():
             t0 = time.perf_counter()
             core.step()
-            _sync(core.runner.device)
+            _sync(runner.device)
             steps.append(time.perf_counter() - t0)
-        med = statistics.median(steps[2:])
-        parts.append(f"batch {b}: decode step {med * 1e3:.2f} ms ({b / med:.0f} tok/s)")
-    return Result("engine", True, "; ".join(parts))
+        return statistics.median(steps[2:])
+    finally:
+        runner.graphs = graphs
 
 
 def check_graphs(core: EngineCore, max_seqs: int = 32, max_ladder: int = 4) -> Result:
-    """Capture the decode forward + head per decode bucket on static buffers; replay must
-    equal eager. On CPU the same static-buffer replay runs without a graph."""
+    """Each decode graph warm-up captured (G up to `max_seqs`, the first `max_ladder` block
+    buckets), replayed on random inputs, against the same forward run eagerly on the same
+    static buffers. On CPU (`decode_graphs="static"`) the replay is the forward itself."""
     runner = core.runner
+    graphs = runner.graphs
+    if graphs is None:
+        return Result("graphs", False, "no decode graphs were captured")
     dev = runner.device
     checked, worst = 0, 0.0
-    for g in [s for s in runner.config.seq_buckets if s <= max_seqs]:
-        for b in runner.blocks_ladder[:max_ladder]:
-            key = ("attn", g, 1, b)
-            group = runner._null_group(key, g)
-            tables = torch.randint(1, runner.layout.num_blocks, (g, b), device=dev)
-            ctx = torch.full((g,), 8 * b, dtype=torch.long, device=dev)  # half the blocks
-            group = AttnGroup(group.token_index, tables, ctx, ctx - 1)
-            batch = ForwardBatch(
-                input_ids=torch.randint(3, runner.mcfg.vocab_size, (g,), device=dev),
-                positions=group.query_start.clone(),
-                slot_mapping=torch.zeros(g, dtype=torch.long, device=dev),  # null block
-                groups=(group,),
-            )
-
-            def forward(batch: ForwardBatch = batch) -> torch.Tensor:
-                return runner.model.compute_logits(runner.model(batch, runner.kv_caches))
-
+    timed: dict[int, tuple[float, float]] = {}
+    rng = random.Random(3)
+    for g in [s for s in graphs.seq_buckets if s <= max_seqs]:
+        for b in graphs.ladder[:max_ladder]:
+            ctx = [rng.randint(1, 16 * b) for _ in range(g)]
+            tables = [
+                [rng.randrange(1, runner.layout.num_blocks) for _ in range(b)] for _ in range(g)
+            ]
+            ids = [rng.randrange(3, runner.mcfg.vocab_size) for _ in range(g)]
+            slots = [0] * g  # the null block's first slot
+            graphs._copy_in(g, b, ids, [c - 1 for c in ctx], slots, ctx, tables)
+            eager_fn = graphs.forward_fn(g, b)
+            replay = graphs._replay[(g, b)]
             with torch.inference_mode():
-                eager = forward().clone()
-                replay = _capture(forward, dev)
-                got = replay()
+                eager_fn()
                 _sync(dev)
-            worst = max(worst, (got - eager).abs().max().item())
+                eager = graphs.logits[:g].clone()
+                graphs.logits.zero_()
+                replay()
+                _sync(dev)
+                got = graphs.logits[:g].clone()
+                if b == graphs.ladder[0] and g in (8, 32):
+                    timed[g] = (_median_ms(eager_fn, dev), _median_ms(replay, dev))
+            worst = max(worst, (got.float() - eager.float()).abs().max().item())
             checked += 1
-    kind = "CUDA graphs" if dev.type == "cuda" else "static replays (CPU: no graph)"
+    kind = "CUDA graphs" if graphs.mode.value == "cuda" else "static replays (no graph)"
+    times = "".join(f"; G={g}: eager {e:.2f} ms, replay {r:.2f} ms" for g, (e, r) in timed.items())
     return Result(
         "graphs",
-        worst == 0.0,
-        f"{checked} decode buckets, {kind}; max |replay - eager| = {worst:.2e}",
+        checked > 0 and worst == 0.0,
+        f"{checked} decode buckets, {kind}; max |replay - eager| = {worst:.2e}{times}",
     )
 
 
-def _capture(fn: Callable[[], torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
+def _median_ms(fn: Callable[[], object], device: torch.device, n: int = 10) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _segments(device: torch.device) -> tuple[int, int]:
+    """(small-pool, large-pool) segments the caching allocator holds; (0, 0) on CPU."""
     if device.type != "cuda":
-        return fn
-    stream = torch.cuda.Stream(device)  # pragma: no cover - needs a GPU
-    stream.wait_stream(torch.cuda.current_stream(device))  # pragma: no cover
-    with torch.cuda.stream(stream):  # pragma: no cover
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)  # pragma: no cover
-    graph = torch.cuda.CUDAGraph()  # pragma: no cover
-    with torch.cuda.graph(graph):  # pragma: no cover
-        out = fn()
-
-    def replay() -> torch.Tensor:  # pragma: no cover
-        graph.replay()
-        return out
-
-    return replay  # pragma: no cover
+        return (0, 0)
+    st = torch.cuda.memory_stats(device)  # pragma: no cover - needs a GPU
+    return (  # pragma: no cover
+        int(st.get("segment.small_pool.current", 0)),
+        int(st.get("segment.large_pool.current", 0)),
+    )
 
 
 def check_allocator(core: EngineCore, requests: int = 300) -> Result:
-    core.warmup()
+    """After warm-up (done by the caller), `requests` random prompts of 4-600 tokens, a third
+    prompt scoring: no new device allocation. Each step that allocates is named."""
+    runner = core.runner
     before = core.stats()
-    allocs = core.runner.device_allocations()
+    allocs = runner.device_allocations()
+    grew: list[str] = []
+    steps = 0
+
+    def step() -> None:
+        nonlocal steps
+        n0, seg0 = runner.device_allocations(), _segments(runner.device)
+        core.step()
+        steps += 1
+        if runner.device_allocations() > n0 and len(grew) < 4:
+            seg1 = _segments(runner.device)
+            grew.append(
+                f"step {steps} shape {runner.last_shape} +{runner.device_allocations() - n0} "
+                f"(small +{seg1[0] - seg0[0]}, large +{seg1[1] - seg0[1]})"
+            )
+
     rng = random.Random(11)
     for i in range(requests):
         n = rng.randint(4, 600)
@@ -212,25 +274,32 @@ def check_allocator(core: EngineCore, requests: int = 300) -> Result:
                 prompt_token_ids=tuple(rng.randrange(3, 500) for _ in range(n)),
                 kind=RequestKind.GENERATE if i % 3 else RequestKind.SCORE,
                 top_k=3,
-                sampling=SamplingParams(max_tokens=rng.randint(1, 32), ignore_eos=True),
+                sampling=SamplingParams(
+                    max_tokens=rng.randint(1, 32),
+                    ignore_eos=True,
+                    temperature=0.0 if i % 2 else 0.8,
+                    top_p=0.9 if i % 5 == 0 else 1.0,
+                ),
             )
         )
         if i % 50 == 49:
             for _ in range(10):
-                core.step()
+                step()
     while core.has_work():
-        core.step()
+        step()
     after = core.stats()
-    new_allocs = core.runner.device_allocations() - allocs
+    new_allocs = runner.device_allocations() - allocs
     retries = after.allocator.num_alloc_retries - before.allocator.num_alloc_retries
-    escaped = sorted(core.runner.shapes.after_warmup, key=str)
+    escaped = sorted(runner.shapes.after_warmup, key=str)
     ok = new_allocs == 0 and retries == 0 and not escaped
-    what = "device allocations" if core.runner.device.type == "cuda" else "KV allocations (CPU)"
+    what = "device allocations" if runner.device.type == "cuda" else "KV allocations (CPU)"
+    where = f"; {'; '.join(grew)}" if grew else ""
     return Result(
         "allocator",
         ok,
-        f"{requests} requests after warm-up: {new_allocs} new {what}, {retries} alloc retries, "
-        f"{len(escaped)} escaped shapes {escaped[:3]}",
+        f"{requests} requests, {steps} steps after warm-up ({runner.graph_steps} on graphs): "
+        f"{new_allocs} new {what}, {retries} alloc retries, "
+        f"{len(escaped)} escaped shapes {escaped[:3]}{where}",
     )
 
 
@@ -244,12 +313,17 @@ def run_checks(device: torch.device, model_dir: Path | None, only: set[str]) -> 
 
             model_dir = synth("m", Path(tmp) / "m")
         dtype = "bfloat16" if device.type == "cuda" else "auto"
-        if "engine" in only:
-            results.append(check_engine(_engine(model_dir, device, dtype)))
-        if "graphs" in only:
-            results.append(check_graphs(_engine(model_dir, device, dtype, warmup=False)))
-        if "allocator" in only:
-            results.append(check_allocator(_engine(model_dir, device, dtype)))
+        if only & {"engine", "graphs", "allocator"}:
+            # one engine, warmed once: the allocator check first, from the warm state
+            graphs = "auto" if device.type == "cuda" else "static"
+            core = _engine(model_dir, device, dtype, decode_graphs=graphs)
+            results.append(check_warmup(core))
+            if "allocator" in only:
+                results.append(check_allocator(core))
+            if "engine" in only:
+                results.append(check_engine(core))
+            if "graphs" in only:
+                results.append(check_graphs(core))
     return results
 
 
@@ -257,7 +331,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: synth m)")
-    ap.add_argument("--only", default="parity,engine,graphs,allocator")
+    ap.add_argument("--only", default="parity,allocator,engine,graphs")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

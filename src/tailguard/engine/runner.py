@@ -30,6 +30,7 @@ from tailguard.engine.buckets import (
     step_keys,
 )
 from tailguard.engine.config import EngineConfig
+from tailguard.engine.graphs import DecodeGraphs, GraphMode, graph_eligible
 from tailguard.engine.sampling import greedy_rows, sample_rows
 from tailguard.model.batch import NULL_BLOCK, AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
@@ -97,6 +98,10 @@ class ModelRunner:
         # engine's `seed`: a restarted engine given the same work samples the same tokens
         self._rng = torch.Generator(device=self.device).manual_seed(config.seed)
         self._oom_ids = frozenset((config.oom_test_hook or "").split(",")) - {""}
+        self.graphs: DecodeGraphs | None = None  # captured at warm-up (decode_graphs)
+        self.graph_capture_s = 0.0
+        self.graph_steps = 0  # steps replayed from a graph
+        self.headroom_bytes = 0  # CUDA: allocator cache reserved after warm-up
 
     def _small_m_kernel(self) -> SmallMKernel | None:
         """The small-M kernel where the config asks for it and it applies (CPU fp32), else
@@ -192,6 +197,8 @@ class ModelRunner:
         of step cost."""
         c = self.config
         cpu = self.device.type == "cpu"
+        if not cpu:  # pragma: no cover - needs a GPU
+            torch.cuda.reset_peak_memory_stats(self.device)
         token_runs = spread(c.token_buckets) if cpu else list(c.token_buckets)
         row_runs = spread(c.seq_buckets) if cpu else list(c.seq_buckets)
         timings = []
@@ -211,12 +218,82 @@ class ModelRunner:
             if not cpu:  # pragma: no cover - needs a GPU
                 for key in self._attention_shapes():
                     self._dummy_attention(key)
+                self._dummy_sampling(hidden)
             else:
                 self.shapes.allow(self._attention_shapes())
                 self.shapes.allow(("tokens", t) for t in c.token_buckets)
                 self.shapes.allow(("logits", r) for r in c.seq_buckets)
+        self.graphs = self._capture_graphs()
+        if not cpu:  # pragma: no cover - needs a GPU
+            self._reserve_headroom()
         self.shapes.mark_warm()
         return timings
+
+    def _dummy_sampling(self, hidden: torch.Tensor) -> None:  # pragma: no cover - needs a GPU
+        """Greedy, temperature and top-p picks and a prompt's top log-probs over the most rows
+        a step can have, from a throwaway generator: the sampler's buffers are cached too."""
+        logits = self.model.head(hidden)
+        rows = list(range(logits.shape[0]))
+        throwaway = torch.Generator(device=self.device).manual_seed(0)
+        greedy_rows(logits, rows)
+        for top_p in (1.0, 0.9):
+            sample_rows(logits, [1.0] * len(rows), [top_p] * len(rows), [None] * len(rows),
+                        throwaway)  # fmt: skip
+        torch.log_softmax(logits[0].float(), dim=-1).topk(20)
+
+    def _reserve_headroom(self) -> None:  # pragma: no cover - needs a GPU
+        """Leave the caching allocator a free segment as large as warm-up's activation peak
+        (and 16 small-pool segments): a step whose tensors are laid out differently from any
+        warm-up step's is still served from cache, with no cudaMalloc while serving
+        (bench/gpu_checks.py's allocator check counts them)."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - torch.cuda.memory_allocated(dev)
+        size = max(peak, 64 << 20)
+        try:
+            big = torch.empty(size, dtype=torch.uint8, device=dev)
+            small = [torch.empty(1 << 20, dtype=torch.uint8, device=dev) for _ in range(32)]
+        except torch.OutOfMemoryError:
+            log.warning("tailguard: no room for %d MiB of allocator headroom", size >> 20)
+            return
+        del big, small  # freed to the cache, not to the device
+        self.headroom_bytes = size
+
+    def _graph_mode(self) -> GraphMode | None:
+        mode = self.config.decode_graphs
+        if mode == "static":
+            return GraphMode.STATIC
+        if mode == "auto" and self.device.type == "cuda":
+            return GraphMode.CUDA
+        return None
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """One graph per decode bucket (G up to max_num_seqs' bucket, every block bucket), or
+        None where the mode is off or the capture fails (then every step runs eagerly: said
+        once in the log)."""
+        mode = self._graph_mode()
+        if mode is None:
+            return None
+        c = self.config
+        seqs = [g for g in c.seq_buckets if g <= bucket_for(c.seq_buckets, c.max_num_seqs)]
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, seqs, self.blocks_ladder, c.block_size, mode
+        )
+        try:
+            keys = [(g, b) for g in seqs for b in self.blocks_ladder]
+            self.graph_capture_s = graphs.capture(keys)
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            log.warning("tailguard: decode graph capture failed, decode steps run eagerly: %s", exc)
+            self.release_memory()
+            return None
+        self.shapes.record(graphs.keys)
+        log.info(
+            "tailguard: %d decode graphs (%s) captured in %.1f s",
+            len(graphs.keys),
+            mode.value,
+            self.graph_capture_s,
+        )
+        return graphs
 
     def _dummy_forward(self, num_tokens: int, logits_rows: int) -> None:
         """A whole forward over `num_tokens` tokens (one sequence: one attention group) that
@@ -273,21 +350,38 @@ class ModelRunner:
     def execute(self, items: list[ScheduledSeq]) -> list[SeqResult]:
         if self._oom_ids and not self._oom_ids.isdisjoint(i.seq.request_id for i in items):
             raise InjectedOOM(f"injected out-of-memory (test hook) in a batch of {len(items)}")
+        if self.graphs is not None and graph_eligible(items):
+            key = self.graphs.bucket(items)
+            if key is not None:
+                return self._execute_graph(items, self.graphs, key)
         plan = _Plan.build(items, self.config, self.blocks_ladder, self.device)
         with torch.inference_mode():
             hidden = self.model(plan.batch, self.kv_caches)  # [T, hidden]
             rows = hidden[plan.last_index]  # [S, hidden]: each sequence's last new token
             # [S, vocab] in the model dtype; fp32 rows are made only where sampled or scored
             logits = self.model.head(rows) if plan.needs_logits else None
-            results = self._results(items, plan, hidden, rows, logits)
+            results = self._results(items, plan.spans, hidden, rows, logits)
         self.shapes.record(plan.keys)
         self.last_shape = plan.shape
+        return results
+
+    def _execute_graph(
+        self, items: list[ScheduledSeq], graphs: DecodeGraphs, key: tuple[int, int]
+    ) -> list[SeqResult]:
+        """A decode step replayed from its bucket's graph (engine/graphs.py)."""
+        out = graphs.run(items, key)
+        with torch.inference_mode():
+            spans = [(i, i + 1) for i in range(len(items))]
+            results = self._results(items, spans, out.hidden, out.hidden, out.logits)
+        self.shapes.record([out.key])
+        self.last_shape = (key[0], key[0])
+        self.graph_steps += 1
         return results
 
     def _results(
         self,
         items: list[ScheduledSeq],
-        plan: _Plan,
+        spans: list[tuple[int, int]],
         hidden: torch.Tensor,
         rows: torch.Tensor,
         logits: torch.Tensor | None,
@@ -298,7 +392,7 @@ class ModelRunner:
             req = item.seq.request
             wants_embedding = req.kind == RequestKind.EMBED or req.want_embedding
             if wants_embedding and req.pooling == Pooling.MEAN:
-                self._accumulate(req.request_id, item, hidden[plan.spans[i][0] : plan.spans[i][1]])
+                self._accumulate(req.request_id, item, hidden[spans[i][0] : spans[i][1]])
             if not item.completes:
                 results.append(SeqResult())
                 continue

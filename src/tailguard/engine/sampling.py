@@ -45,7 +45,10 @@ def greedy_rows(
     k = _kernel_ok(logits, kernel)
     if k is not None:
         return k.argmax(logits, rows, threads)
-    return logits[list(rows)].argmax(dim=-1).tolist()
+    # every row's argmax, then the wanted ones on the host: no [rows, vocab] gather whose size
+    # follows the batch (on CUDA a size the caching allocator may not hold; engine/runner.py)
+    picks = logits.argmax(dim=-1).tolist()
+    return [picks[r] for r in rows]
 
 
 def sample_rows(
