@@ -132,7 +132,8 @@ def check_warmup(core: EngineCore) -> Result:
     return Result(
         "warmup",
         n > 0 or not want_graphs,
-        f"{secs:.1f} s; {n} decode graphs captured in {r.graph_capture_s:.1f} s; "
+        f"{secs:.1f} s ({', '.join(f'{k} {v:.1f} s' for k, v in r.warmup_phases.items())}); "
+        f"{n} decode graphs captured in {r.graph_capture_s:.1f} s; "
         f"allocator headroom {r.headroom_bytes >> 20} MiB",
     )
 

@@ -22,6 +22,8 @@ from tailguard.engine.buckets import (
     block_ladder,
     bucket_for,
     group_shape,
+    pad_query,
+    query_floor,
     spread,
     step_keys,
 )
@@ -95,11 +97,21 @@ def _feasible_groups(
     rng: random.Random, seqs: int, budget: int, bs: int, tries: int = 20_000
 ) -> Iterator[tuple[int, int, int]]:
     """(sequences, longest chunk, longest block table) of random groups that fit the budgets
-    (the scheduler's only constraints on a group), 2,048-token contexts at most."""
+    (the scheduler's only constraints on a group), 2,048-token contexts at most: decodes, or
+    prefill chunks of one query bucket (the runner groups them so)."""
+    qs = [16]
+    while qs[-1] < budget:
+        qs.append(2 * qs[-1])
     for _ in range(tries):
-        decode = rng.random() < 0.3
-        n = rng.randint(1, seqs if decode else budget // 2)
-        news = [1] * n if decode else [rng.randint(2, budget) for _ in range(n)]
+        if rng.random() < 0.3:
+            news = [1] * rng.randint(1, seqs)
+        else:
+            q = rng.choice(qs)
+            least = query_floor(q)
+            n = rng.randint(1, min(seqs, budget // least))
+            news = [rng.randint(least, q) for _ in range(n)]
+            assert {pad_query(x) for x in news} == {q}
+        n = len(news)
         if sum(news) > budget:
             continue
         tables = [rng.randint(-(-new // bs), 2048 // bs) for new in news]
@@ -115,6 +127,8 @@ def test_attention_shapes_cover_every_group_the_budgets_allow() -> None:
     for n, max_new, max_table in _feasible_groups(random.Random(3), seqs, budget, bs):
         assert group_shape(n, max_new, max_table, ladder) in shapes
     assert ("attn", 32, 256, 4) not in shapes  # 17+ sequences of 129+ tokens: over budget
+    assert ("attn", 4, 256, 12) not in shapes  # 3+ chunks of 129+ tokens: over budget
+    assert ("attn", 32, 16, 4) in shapes  # 17+ chunks of 2-16 tokens
 
 
 def test_groups_pad_to_the_sequence_buckets_and_every_budgeted_group_is_covered() -> None:

@@ -47,3 +47,30 @@ def test_decode_pads_to_the_batch_not_to_16_rows_and_tokens_are_unchanged(
     assert padded16 == {16}
     assert small == floor16
     assert all(len(v) in (4, 7) for v in small.values())
+
+
+def test_prefill_chunks_attend_in_groups_of_one_query_bucket(tiny_model_dir: Path) -> None:
+    """Four 3-token prompts beside a 200-token one: two groups, 4 x 16 and 1 x 256 queries,
+    not one group of 8 x 256; the same tokens as each prompt served alone."""
+
+    def serve(prompts: dict[str, list[int]]) -> tuple[dict[str, list[int]], set[object]]:
+        core = EngineCore(tiny_engine_config(tiny_model_dir), tiny_model_dir)
+        for rid, p in prompts.items():
+            core.add(gen(rid, p, max_tokens=3))
+        before = set(core.runner.shapes.seen)
+        outs: dict[str, list[int]] = {}
+        first = True
+        while core.has_work():
+            for o in core.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if first:
+                assert core.log.take()[-1].num_prefill_tokens == sum(map(len, prompts.values()))
+                first_groups = {k for k in core.runner.shapes.seen - before if k[0] == "attn"}
+                first = False
+        return outs, first_groups
+
+    prompts = {f"s{i}": [5 + i, 6, 7] for i in range(4)} | {"long": list(range(3, 203))}
+    together, groups = serve(prompts)
+    assert groups == {("attn", 4, 16, 4), ("attn", 1, 256, 16)}
+    for rid, p in prompts.items():
+        assert serve({rid: p})[0][rid] == together[rid], rid

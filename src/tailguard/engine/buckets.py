@@ -6,7 +6,8 @@ A step's shape is decomposed into the shapes of the ops that see it, and each is
                           a token bucket
     ("logits", S)         the output head over S rows: a sequence bucket
     ("attn", G, Q, B)     one attention group: G sequences (a sequence bucket), Q queries each
-                          (1 for decodes, else a power of two >= 16), B blocks of context each
+                          (1 for decodes, else a power of two >= 16: prefill chunks are grouped by
+                          this bucket, so padding stays under 2x), B blocks of context each
                           (a `block_ladder` step: 4, 6, 8, 12, 16, 24, ...; at most 1.5x padding)
 
 `attention_shapes` enumerates every attention shape the scheduler's budgets can produce. On
@@ -79,6 +80,12 @@ def _previous(values: Sequence[int], v: int) -> int:
     return values[i - 1] if i else 0
 
 
+def query_floor(q: int) -> int:
+    """The fewest new tokens a prefill chunk in query bucket q has: 2 in the first bucket,
+    else one more than the bucket below (the engine groups prefill chunks by query bucket)."""
+    return 2 if q == QUERY_MIN else q // 2 + 1
+
+
 def attention_shapes(
     max_num_seqs: int,
     max_num_batched_tokens: int,
@@ -89,9 +96,10 @@ def attention_shapes(
     """Every attention group shape the scheduler can produce under these budgets, with G from
     `groups` as in `group_shape`.
 
-    Decodes: any G up to the sequence budget, any B. Prefill chunks (2+ new tokens each): a
-    group padded to (G, Q) holds more sequences than the G below it, one with more than Q/2 new
-    tokens, the rest with 2+; it fits the token budget, and its longest table holds that chunk.
+    Decodes: any G up to the sequence budget, any B. Prefill chunks are grouped by their query
+    bucket (`pad_query`), so a group padded to (G, Q) holds more sequences than the G below it,
+    each with at least `query_floor(Q)` new tokens; it fits the token budget, and its longest
+    table holds a chunk of that many.
     """
     if groups is None:
         gs = [1]
@@ -104,12 +112,12 @@ def attention_shapes(
         qs.append(qs[-1] * 2)
     shapes: list[ShapeKey] = [("attn", g, 1, b) for g in gs for b in ladder]
     for q in qs:
-        min_new = max(2, q // 2 + 1) if q > QUERY_MIN else 2
+        least = query_floor(q)
         for below, g in zip([0, *gs], gs, strict=False):
             min_seqs = below + 1
-            if min_seqs > max_num_seqs or min_new + 2 * (min_seqs - 1) > max_num_batched_tokens:
+            if min_seqs > max_num_seqs or min_seqs * least > max_num_batched_tokens:
                 continue
-            min_blocks = -(-min_new // block_size)
+            min_blocks = -(-least // block_size)
             shapes.extend(("attn", g, q, b) for b in ladder if b >= min_blocks or b == ladder[-1])
     return shapes
 

@@ -26,6 +26,7 @@ from tailguard.engine.buckets import (
     block_ladder,
     bucket_for,
     group_shape,
+    pad_query,
     spread,
     step_keys,
 )
@@ -102,6 +103,7 @@ class ModelRunner:
         self.graph_capture_s = 0.0
         self.graph_steps = 0  # steps replayed from a graph
         self.headroom_bytes = 0  # CUDA: allocator cache reserved after warm-up
+        self.warmup_phases: dict[str, float] = {}  # seconds per warm-up phase
 
     def _small_m_kernel(self) -> SmallMKernel | None:
         """The small-M kernel where the config asks for it and it applies (CPU fp32), else
@@ -202,10 +204,22 @@ class ModelRunner:
         token_runs = spread(c.token_buckets) if cpu else list(c.token_buckets)
         row_runs = spread(c.seq_buckets) if cpu else list(c.seq_buckets)
         timings = []
+        phases: dict[str, float] = {}
+        mark = time.perf_counter()
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            self._sync()
+            now = time.perf_counter()
+            phases[name] = now - mark
+            mark = now
+
         for num_tokens in token_runs:
             t0 = time.perf_counter()
             self._dummy_forward(num_tokens, c.seq_buckets[0])
+            self._sync()
             timings.append((1, num_tokens, time.perf_counter() - t0))
+        phase("forwards")
         hidden = torch.zeros(
             c.seq_buckets[-1], self.mcfg.hidden_size, dtype=self.dtype, device=self.device
         )
@@ -213,8 +227,10 @@ class ModelRunner:
             for rows in row_runs:
                 t0 = time.perf_counter()
                 self.model.compute_logits(hidden[:rows])
+                self._sync()
                 timings.append((rows, 0, time.perf_counter() - t0))
                 self.shapes.record([("logits", rows)])
+            phase("heads")
             if not cpu:  # pragma: no cover - needs a GPU
                 for key in self._attention_shapes():
                     self._dummy_attention(key)
@@ -223,11 +239,22 @@ class ModelRunner:
                 self.shapes.allow(self._attention_shapes())
                 self.shapes.allow(("tokens", t) for t in c.token_buckets)
                 self.shapes.allow(("logits", r) for r in c.seq_buckets)
+            phase("attention")
         self.graphs = self._capture_graphs()
+        phase("graphs")
         if not cpu:  # pragma: no cover - needs a GPU
             self._reserve_headroom()
         self.shapes.mark_warm()
+        self.warmup_phases = phases
+        log.info(
+            "tailguard: warm-up %s",
+            ", ".join(f"{name} {secs:.1f} s" for name, secs in phases.items()),
+        )
         return timings
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize(self.device)
 
     def _dummy_sampling(self, hidden: torch.Tensor) -> None:  # pragma: no cover - needs a GPU
         """Greedy, temperature and top-p picks and a prompt's top log-probs over the most rows
@@ -510,12 +537,9 @@ class _Plan:
             ]
             spans.append((flat, flat + item.num_new))
             flat += item.num_new
-        decode = [i for i, it in enumerate(items) if it.num_new == 1]
-        prefill = [i for i, it in enumerate(items) if it.num_new > 1]
         built = [
             _group(items, spans, idx, t_bucket, ladder, config.seq_buckets, device)
-            for idx in (decode, prefill)
-            if idx
+            for idx in _by_query_bucket(items)
         ]
         groups = tuple(g for g, _ in built)
         last = [e - 1 for _, e in spans] + [t_bucket - 1] * (s_bucket - len(items))
@@ -536,6 +560,17 @@ class _Plan:
             spans,
             needs_logits,
         )
+
+
+def _by_query_bucket(items: list[ScheduledSeq]) -> list[list[int]]:
+    """Item indices grouped for attention: the decodes, then the prefill chunks of each query
+    bucket (`pad_query`). One group for every prefill padded all chunks to the longest: one
+    513-token chunk beside 255 two-token ones attended as 256 x 1024 queries; by bucket each
+    chunk pads by under 2x."""
+    by_q: dict[int, list[int]] = {}
+    for i, it in enumerate(items):
+        by_q.setdefault(pad_query(it.num_new), []).append(i)
+    return [by_q[q] for q in sorted(by_q)]
 
 
 def _group(
