@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from tailguard.core.request import EngineRequest, RequestKind, SamplingParams
+from tailguard.engine.allocator import configure_cuda_allocator
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.core import EngineCore
 from tailguard.model.batch import AttnGroup, ForwardBatch
@@ -335,6 +336,10 @@ def main() -> int:
     ap.add_argument("--only", default="parity,allocator,engine,graphs")
     args = ap.parse_args()
     device = torch.device(args.device)
+    if device.type == "cuda":
+        # the allocator settings the engine process serves with (engine/process.py), set
+        # before CUDA initialises: the allocator check measures what is served
+        configure_cuda_allocator()
     if device.type == "cuda" and not torch.cuda.is_available():
         print("CHECK cuda      FAIL  torch.cuda.is_available() is False on this machine")
         return 1
