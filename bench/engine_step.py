@@ -12,6 +12,8 @@ instead of model/kernels/rows.c; --old-buckets
 runs with the token-bucket floor of 16 that preceded session 19, --profile adds a cProfile of
 the steps. Set OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=200000 to match the served engine.
 
+--ab-fused runs op by op (fused_decode=False), then the fused decode stack (model/kernels/
+decode.c), and prints both against the bound last; --no-fused-decode runs op by op alone.
 --ab-kernel runs the step twice in one run, oneDNN only (small_m_kernel=False) then our
 small-M kernel, after measuring the machine's read bandwidth (fp32 sum over 512 MB, 1 thread
 and --threads) and printing the weights-bytes / bandwidth bound; the decode-step ratio comes
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import math
 import pstats
 import random
 import statistics
@@ -131,13 +134,17 @@ def main() -> None:
     )
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled decode")
     ap.add_argument("--ab-kernel", action="store_true", help="oneDNN, then the kernel; ratio")
+    ap.add_argument("--no-fused-decode", action="store_true", help="fused_decode=False")
+    ap.add_argument(
+        "--ab-fused", action="store_true", help="op by op, then the fused decode stack; ratio"
+    )
     ap.add_argument("--matmuls", action="store_true", help="per-matmul micro bench")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     model = args.model or default_model_dir()
     cfg = MistralConfig.from_dir(model)
     bound: dict[int, float] = {}
-    if args.ab_kernel or args.matmuls:
+    if args.ab_kernel or args.ab_fused or args.matmuls:
         wb = weight_bytes(cfg)
         for t in sorted({1, args.threads}):
             gbs = read_bandwidth(t)
@@ -148,12 +155,21 @@ def main() -> None:
             )
     if args.matmuls:
         micro(cfg, args.batch, args.threads)
+    if args.ab_fused:
+        op, fused = (run_engine(args, model, not args.no_kernel, f) for f in (False, True))
+        b = bound.get(args.threads, math.nan)
+        print(
+            f"decode step batch={args.batch} threads={args.threads}: fused {fused:.1f} ms, "
+            f"op by op {op:.1f} ms (op by op / fused {op / fused:.2f}x); bound {b:.1f} ms: "
+            f"fused {fused / b:.2f}x the bound, op by op {op / b:.2f}x"
+        )
+        return
     variants = [True, False] if args.ab_kernel else [not args.no_kernel]
     steps: dict[bool, float] = {}
     for use_kernel in variants[::-1]:  # oneDNN first in an A/B
-        steps[use_kernel] = run_engine(args, model, use_kernel)
+        steps[use_kernel] = run_engine(args, model, use_kernel, not args.no_fused_decode)
     if args.ab_kernel:
-        b = bound.get(args.threads)
+        b = bound.get(args.threads, math.nan)
         k, o = steps[True], steps[False]
         print(
             f"decode step batch={args.batch} threads={args.threads}: kernel {k:.1f} ms, "
@@ -162,7 +178,7 @@ def main() -> None:
         )
 
 
-def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool) -> float:
+def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: bool) -> float:
     """One engine's median decode step in ms (printed with its parts)."""
     extra: dict[str, Any] = {}
     if args.old_buckets:
@@ -175,6 +191,7 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool) -> float
         nice=0,
         small_m_kernel=use_kernel,
         row_kernels=not args.no_row_kernels,
+        fused_decode=fused,
         **extra,
     )
     core = EngineCore(cfg, model)
@@ -217,6 +234,8 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool) -> float
     steps, fwd, enc = run("run")
     s, f, e = (statistics.median(x) * 1e3 for x in (steps, fwd, enc))
     kernel = "kernel" if core.runner.small_m_kernel is not None else "oneDNN"
+    if core.runner.model._stack is not None:
+        kernel += ", fused decode stack"
     rss = psutil.Process().memory_info().rss / 2**20
     print(
         f"{model.name} batch={args.batch} threads={args.threads} dtype={args.dtype} "

@@ -25,6 +25,12 @@ from tailguard.model.kernels import (
     load_small_m_kernel,
     small_m_unavailable_reason,
 )
+from tailguard.model.kernels.decode import (
+    DecodeStack,
+    decode_unavailable_reason,
+    load_decode_stack,
+)
+from tailguard.model.kernels.decode import self_check as decode_self_check
 from tailguard.model.kernels.rows import self_check
 from tailguard.model.loader import load_model
 from tailguard.model.mistral import (
@@ -320,3 +326,93 @@ def test_fused_forward_matches_the_torch_forward(tmp_path: Path) -> None:
         _, want, _ = caches[0].run(plain, groups)
         _, got, _ = caches[1].run(fused, groups)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _stack_or_skip() -> DecodeStack:
+    """The decode stack; a skip only where no C compiler exists (a stack that builds but
+    fails its self-check is a failure)."""
+    stack = load_decode_stack()
+    if stack is None or load_row_kernel() is None or load_small_m_kernel() is None:
+        why = decode_unavailable_reason() or small_m_unavailable_reason() or "row kernels"
+        if "no C compiler" not in why:
+            pytest.fail(f"the compiled kernels are unavailable: {why}")
+        pytest.skip(why)
+    return stack
+
+
+def test_decode_stack_forward_matches_the_torch_forward(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole decoder stack in one compiled call (decode.c) against the plain torch forward
+    of the same checkpoint (GQA, a 16-token window, untied head): a prefill (op by op), then
+    decode steps of three sequences past the window, each on the stack."""
+    stack = _stack_or_skip()
+    calls = []
+    run = DecodeStack.run
+
+    def counted(self: DecodeStack, *a: object) -> None:
+        calls.append(1)
+        run(self, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecodeStack, "run", counted)
+    folder = make_checkpoint(tmp_path / "ckpt")
+    plain, _ = load_model(folder, dtype=torch.float32)
+    fused, _ = load_model(folder, dtype=torch.float32)
+    caches = [PagedCache(m.config, num_blocks=80, block_size=4) for m in (plain, fused)]
+    assert fused.use_row_kernel(load_row_kernel())
+    fused.prepack(kernel=load_small_m_kernel())
+    assert fused.use_decode_stack(stack, caches[1].kv)
+    prompts = [[5, 9, 17, 3, 22, 8, 1, 40, 2], [40, 2], [7] * 21]
+    steps = [[[(i, p) for i, p in enumerate(prompts)]]]
+    steps += [[[(i, [11 + i + j]) for i in range(3)]] for j in range(12)]
+    for groups in steps:
+        _, want, _ = caches[0].run(plain, groups)
+        _, got, _ = caches[1].run(fused, groups)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert len(calls) == 12  # every decode step, not the prefill
+    for (k0, v0), (k1, v1) in zip(caches[0].kv, caches[1].kv, strict=True):
+        torch.testing.assert_close(k1, k0, atol=1e-5, rtol=1e-5)  # the cache writes too
+        torch.testing.assert_close(v1, v0, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_stack_is_bound_only_where_it_applies(tmp_path: Path) -> None:
+    stack = _stack_or_skip()
+    folder = make_checkpoint(tmp_path / "ckpt")
+    model, _ = load_model(folder, dtype=torch.float32)
+    kv = PagedCache(model.config).kv
+    assert not model.use_decode_stack(stack, kv)  # no row kernel, no small-M panels yet
+    assert model.use_row_kernel(load_row_kernel())
+    assert not model.use_decode_stack(stack, kv)  # projections still plain linears
+    model.prepack(kernel=load_small_m_kernel())
+    assert not model.use_decode_stack(None, kv)
+    assert model.use_decode_stack(stack, kv)
+
+
+def test_engine_greedy_tokens_identical_with_and_without_the_decode_stack() -> None:
+    """The embedded model, fp32: 20 sequences (decode batches above the kernel's 6-12 direct
+    rows, so the stack's transposed-chunk path runs too) generate the same greedy tokens with
+    the fused decode stack as op by op."""
+    _stack_or_skip()
+    folder = default_model_dir()
+    rng = random.Random(21)
+    prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(2, 60))] for _ in range(20)]
+    base = dict(model_dir=str(folder), dtype="float32", threads=2, warmup=False, nice=0)
+    fused = EngineConfig(**base, fused_decode=True)  # type: ignore[arg-type]
+    assert EngineCore(fused, folder).runner.model._stack is not None
+    unfused = EngineConfig(**base, fused_decode=False)  # type: ignore[arg-type]
+    assert _greedy(fused, prompts) == _greedy(unfused, prompts)
+
+
+def test_decode_stack_self_check_catches_a_wrong_stack() -> None:
+    stack = _stack_or_skip()
+    assert decode_self_check(stack) is None
+
+    class Skewed:  # the built stack, its output nudged
+        def __getattr__(self, name: str) -> object:
+            return getattr(stack, name)
+
+        def run(self, layers: object, dims: object, x: torch.Tensor, *a: object) -> None:
+            stack.run(layers, dims, x, *a)  # type: ignore[arg-type]
+            x[0, 0] += 0.01
+
+    assert "decode stack self-check failed" in (decode_self_check(Skewed()) or "")  # type: ignore[arg-type]

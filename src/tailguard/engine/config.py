@@ -99,6 +99,11 @@ class EngineConfig:
     (sampling); the 246M model's batch-8 decode step 44.8-45.0 -> 39.1-41.5 ms.
     Same uniforms, same distribution, same greedy tokens; falls back to torch with one log line
     when it cannot be built. False: torch only (A/B)."""
+    fused_decode: bool = True
+    """CPU fp32, with the small-M kernel and the row kernels: a pure decode step's whole
+    decoder stack in one compiled call (model/kernels/decode.c: every layer's norms, matmuls,
+    RoPE, KV write, decode attention and residuals in one OpenMP region) instead of ~13 torch
+    and ctypes calls a layer. Same kernels, same tokens. False: op by op (A/B)."""
     decode_graphs: str = "auto"
     """Decode steps replayed from graphs captured at warm-up, one per decode bucket (sequence
     bucket x block bucket; engine/graphs.py). auto: CUDA graphs on CUDA, none on CPU (no

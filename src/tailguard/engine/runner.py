@@ -35,7 +35,12 @@ from tailguard.engine.graphs import DecodeGraphs, GraphMode, graph_eligible
 from tailguard.engine.sampling import greedy_rows, sample_rows
 from tailguard.model.batch import NULL_BLOCK, AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
-from tailguard.model.kernels import SmallMKernel, load_row_kernel, load_small_m_kernel
+from tailguard.model.kernels import (
+    SmallMKernel,
+    load_decode_stack,
+    load_row_kernel,
+    load_small_m_kernel,
+)
 from tailguard.model.loader import best_cpu_dtype, load_model, resolve_dtype
 from tailguard.model.mistral import DecoderLayer, allocate_kv_cache, attention_mask
 
@@ -93,6 +98,8 @@ class ModelRunner:
         self._device_allocs_before_kv = _device_allocs(self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.layout = self._allocate_kv()
+        if config.fused_decode and self.small_m_kernel is not None and self.row_kernel is not None:
+            self.model.use_decode_stack(load_decode_stack(), self.kv_caches)
         self._pool_sums: dict[str, torch.Tensor] = {}  # request id -> running hidden sum (fp32)
         self._generators: dict[str, torch.Generator] = {}  # seeded sampling, per request
         # requests without a seed of their own sample from one generator seeded from the

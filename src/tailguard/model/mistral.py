@@ -14,6 +14,8 @@ sliding window `q_pos - k_pos < sliding_window`), so fp32 logits match it to ~1e
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,8 @@ from torch import Tensor, nn
 
 from tailguard.model.batch import AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
-from tailguard.model.kernels import RowKernel, SmallMKernel
+from tailguard.model.kernels import DecodeStack, RowKernel, SmallMKernel
+from tailguard.model.kernels.decode import LayerRefs, StackDims
 
 __all__ = [
     "KernelLinear",
@@ -300,6 +303,7 @@ class MistralModel(nn.Module):
         self.config = config
         self._head_packed: nn.Module | None = None  # the output head after prepack()
         self.row_kernel: RowKernel | None = None  # set by use_row_kernel() on every layer
+        self._stack: _BoundStack | None = None  # set by use_decode_stack()
         # Initialised by hand and not on the meta device (the loader builds there and assigns
         # real tensors): normal_() on meta pulls in torch's Python reference kernels, a one-off
         # ~1-2 s import that would dominate loading a small model.
@@ -324,6 +328,9 @@ class MistralModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_caches: KVCache) -> Tensor:
         """Final-norm hidden states [T, H] of every flat token (padding rows finite garbage)."""
+        stack = self._stack
+        if stack is not None and stack.applies(batch, kv_caches):
+            return self._forward_stack(batch, stack)
         x = self.embed_tokens(batch.input_ids)  # [T, H]
         # transformers computes cos/sin in fp32 and casts to the activation dtype; same here.
         cos = self.rope_cos.index_select(0, batch.positions).to(x.dtype)[:, None]  # [T, 1, hd]
@@ -366,6 +373,62 @@ class MistralModel(nn.Module):
             layer.ffn_norm.fused = use
             layer.mlp.fused = use
         return ok
+
+    def use_decode_stack(self, stack: DecodeStack | None, kv_caches: KVCache) -> bool:
+        """Run a decode step's whole decoder stack (a forward whose one attention group is a
+        decode group, over `kv_caches`) in one compiled call (model/kernels/decode.c) where it
+        applies: after `use_row_kernel` and `prepack` onto the small-M kernel, with that
+        kernel's panel width. Returns whether it does."""
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        linears = [(ly.attn.wqkv, ly.attn.wo, ly.mlp.w13, ly.mlp.w2) for ly in layers]
+        ok = (
+            stack is not None
+            and self.row_kernel is not None
+            and stack.lanes == self.row_kernel.lanes
+            and len(layers) == len(kv_caches) > 0
+            and all(
+                isinstance(lin, KernelLinear) and lin.kernel.width == stack.width
+                for four in linears
+                for lin in four
+            )
+        )
+        if not ok or stack is None:
+            self._stack = None
+            return False
+        refs = [
+            LayerRefs(
+                ly.attn_norm.weight.detach(),
+                ly.ffn_norm.weight.detach(),
+                _panels(four[0]),
+                _panels(four[1]),
+                _panels(four[2]),
+                _panels(four[3]),
+                k,
+                v,
+            )
+            for ly, four, (k, v) in zip(layers, linears, kv_caches, strict=True)
+        ]
+        c = self.config
+        dims = StackDims(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.intermediate_size, kv_caches[0][0].shape[1], c.sliding_window or 0,
+            c.rms_norm_eps, c.head_dim**-0.5,
+        )  # fmt: skip
+        self._stack = _BoundStack(stack, stack.layers(refs), refs, dims)
+        return True
+
+    def _forward_stack(self, batch: ForwardBatch, stack: _BoundStack) -> Tensor:
+        x = self.embed_tokens(batch.input_ids).contiguous()  # [T, H], updated in place
+        cos = self.rope_cos.index_select(0, batch.positions)  # [T, hd] fp32
+        sin = self.rope_sin.index_select(0, batch.positions)
+        group = batch.groups[0]
+        tables = group.block_tables.contiguous()
+        stack.kernel.run(
+            stack.layers, stack.dims, x, cos, sin, batch.slot_mapping.contiguous(),
+            group.token_index[:, 0].contiguous(), tables, group.context_lens.contiguous(),
+            tables.shape[1] * stack.dims.bs, torch.get_num_threads(),
+        )  # fmt: skip
+        return self.norm(x)
 
     def prepack(self, pack: bool = True, kernel: SmallMKernel | None = None) -> None:
         """Replace every projection and the output head by faster linears (CPU inference).
@@ -452,6 +515,31 @@ class MistralModel(nn.Module):
             sd[f"layers.{i}.mlp.w2.weight"] = tensors[hf + "mlp.down_proj.weight"]
         self.load_state_dict(sd, strict=True, assign=True)
         self._head_t = None  # new weights: rebuild the transposed head on first use
+
+
+def _panels(linear: nn.Module) -> Tensor:
+    assert isinstance(linear, KernelLinear)
+    return linear.weight.panels
+
+
+@dataclass(frozen=True)
+class _BoundStack:
+    """The decode stack bound to this model's weights and one KV cache (use_decode_stack)."""
+
+    kernel: DecodeStack
+    layers: Any  # the ctypes array of decode.c's struct tg_layer
+    refs: list[LayerRefs]  # keeps every pointer in `layers` alive
+    dims: StackDims
+
+    def applies(self, batch: ForwardBatch, kv_caches: KVCache) -> bool:
+        """One decode group (one query a sequence), over the cache the stack was bound to."""
+        groups = batch.groups
+        return (
+            len(groups) == 1
+            and groups[0].token_index.shape[1] == 1
+            and kv_caches[0][0].data_ptr() == self.refs[0].k_cache.data_ptr()
+            and batch.input_ids.device.type == "cpu"
+        )
 
 
 def _rope_table(max_len: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:

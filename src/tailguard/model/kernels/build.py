@@ -2,8 +2,9 @@
 
 `build_library` compiles `<name>.c` with the system compiler into
 `$TAILGUARD_CACHE/kernels/<name>-<hash>.so` (default `~/.cache/tailguard/kernels`), the hash
-covering the source, the command, the compiler's version and the CPU's flags: a new CPU or
-compiler builds afresh, and a process that finds the library built uses it without a compiler.
+covering the source (and the neighbours it `#include`s), the command, the compiler's version
+and the CPU's flags: a new CPU or compiler builds afresh, and a process that finds the
+library built uses it without a compiler.
 `Loader` wraps one file: build, open, check its ABI number, wrap it, self-check it against
 torch; the result (or why not, logged once) is kept per (compiler, cache folder).
 """
@@ -14,6 +15,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -55,6 +57,9 @@ def build_library(source_path: Path, compiler: str, cache_dir: Path) -> Path:
     """Compile (or find) the library of one of this folder's C files; raises OSError /
     CalledProcessError / RuntimeError."""
     source = source_path.read_bytes()
+    # a source may include its neighbours (decode.c includes gemv.c and rows.c): they key it too
+    for name in re.findall(rb'#include "([^"]+)"', source):
+        source += b"\0" + (source_path.parent / name.decode()).read_bytes()
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
     ).stdout

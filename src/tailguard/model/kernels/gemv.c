@@ -189,6 +189,34 @@ static void my_panels(long panels, long *b, long *e) {
     *e = panels * (t + 1) / nt;
 }
 
+/* The product below for the calling thread of an enclosing parallel region (every thread of
+ * it must call this with the same arguments). Up to MB_MAX rows x is read in place; above,
+ * every thread transposes its share of the chunks into xt (M * K floats, shared) first. The
+ * caller puts a barrier after it before reading y. */
+static void linear_in_region(const float *x, long ldx, const float *wp, float *y, long ldy,
+                             long M, long N, long K, float *xt) {
+    long panels = (N + P - 1) / P;
+    long b, e;
+    if (M <= MB_MAX) { /* decode sizes: x read in place, every weight read once */
+        my_panels(panels, &b, &e);
+        for (long p = b; p < e; p++) {
+            long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
+            DIRECT[M](x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid);
+        }
+        return;
+    }
+    long chunks = (M + MB_MAX - 1) / MB_MAX;
+    /* chunk c at xt + c * MB_MAX * K, laid out [K][mb] */
+#pragma omp for schedule(static)
+    for (long c = 0; c < chunks; c++) {
+        long m0 = c * MB_MAX, mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
+        transpose_chunk(x, ldx, K, m0, mb, xt + m0 * K);
+    }
+    /* (implicit barrier: every chunk is transposed before any panel runs) */
+    my_panels(panels, &b, &e);
+    if (b < e) thread_panels(xt, wp, M, N, K, y, ldy, b, e);
+}
+
 /* y[m * ldy + n] = sum_k x[m * ldx + k] * W[n, k], wp being W packed by tg_pack.
  * Returns 0, -1 on bad arguments, -2 if the x buffer cannot be allocated. */
 int tg_linear_small_m(const float *x, long ldx, const float *wp, float *y, long ldy, long M,
@@ -196,34 +224,10 @@ int tg_linear_small_m(const float *x, long ldx, const float *wp, float *y, long 
     if (M < 1 || N < 1 || K < 1 || ldx < K || ldy < N || nthreads < 1) return -1;
     long panels = (N + P - 1) / P;
     if (nthreads > panels) nthreads = (int)panels;
-    if (M <= MB_MAX) { /* decode sizes: x read in place, every weight read once */
+    float *xt = NULL;
+    if (M > MB_MAX && !(xt = malloc((size_t)M * (size_t)K * sizeof(float)))) return -2;
 #pragma omp parallel num_threads(nthreads)
-        {
-            long b, e;
-            my_panels(panels, &b, &e);
-            for (long p = b; p < e; p++) {
-                long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
-                DIRECT[M](x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid);
-            }
-        }
-        return 0;
-    }
-    long chunks = (M + MB_MAX - 1) / MB_MAX;
-    /* chunk c at xt + c * MB_MAX * K, laid out [K][mb] */
-    float *xt = malloc((size_t)M * (size_t)K * sizeof(float));
-    if (!xt) return -2;
-#pragma omp parallel num_threads(nthreads)
-    {
-#pragma omp for schedule(static)
-        for (long c = 0; c < chunks; c++) {
-            long m0 = c * MB_MAX, mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
-            transpose_chunk(x, ldx, K, m0, mb, xt + m0 * K);
-        }
-        /* (implicit barrier: every chunk is transposed before any panel runs) */
-        long b, e;
-        my_panels(panels, &b, &e);
-        if (b < e) thread_panels(xt, wp, M, N, K, y, ldy, b, e);
-    }
+    linear_in_region(x, ldx, wp, y, ldy, M, N, K, xt);
     free(xt);
     return 0;
 }

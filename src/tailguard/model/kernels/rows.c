@@ -150,12 +150,65 @@ static inline float vsum(vf v) {
  * table row s of `tables` [nseq, tbl_ld]; the result goes to out[q_rows[s] * out_ld + h * hd].
  * q rows are [nh, hd] at q + q_rows[s] * q_ld. window 0: no window. Scratch for the scores is
  * allocated per thread (max_ctx floats). Returns 0, or -2 without memory. hd % VL must be 0. */
+/* Query heads g * rep .. (g + 1) * rep of query row q + qrow * q_ld (its KV head g) over
+ * positions [max(0, n - window), n) read through `table`; results to out + qrow * out_ld.
+ * p: scratch of n floats. */
+static void attend_kv_head(const float *q, long q_ld, long qrow, const float *k_cache,
+                           const float *v_cache, const long *table, long n, long bs, long nkv,
+                           long hd, long rep, long g, float scale, long window, float *out,
+                           long out_ld, float *p) {
+    long row = nkv * hd; /* floats per cached token */
+    long lo = window > 0 && n > window ? n - window : 0;
+    for (long h = g * rep; h < (g + 1) * rep; h++) {
+        const float *qh = q + qrow * q_ld + h * hd;
+        float m = -INFINITY;
+        for (long j = lo; j < n; j++) {
+            const float *kj = k_cache + (table[j / bs] * bs + j % bs) * row + g * hd;
+            vf acc = {};
+            for (long d = 0; d < hd; d += VL)
+                acc += *(const vfu *)(qh + d) * *(const vfu *)(kj + d);
+            float sc = vsum(acc) * scale;
+            p[j - lo] = sc;
+            m = sc > m ? sc : m;
+        }
+        long len = n - lo;
+        float total = 0.0f;
+        long j = 0;
+        for (; j + VL <= len; j += VL) {
+            vf e = vexp_neg(*(vfu *)(p + j) - m);
+            *(vfu *)(p + j) = e;
+            total += vsum(e);
+        }
+        for (; j < len; j++) {
+            vf v = (vf){} - 100.0f;
+            v[0] = p[j] - m;
+            p[j] = vexp_neg(v)[0];
+            total += p[j];
+        }
+        float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        float *oh = out + qrow * out_ld + h * hd;
+        for (long d = 0; d < hd; d += VL) {
+            vf acc = {};
+            for (long jj = lo; jj < n; jj++) {
+                const float *vj = v_cache + (table[jj / bs] * bs + jj % bs) * row + g * hd;
+                acc += p[jj - lo] * *(const vfu *)(vj + d);
+            }
+            *(vfu *)(oh + d) = acc * inv;
+        }
+    }
+}
+
+/* For every sequence s whose query row q_rows[s] is below pad_row: each query head h attends
+ * over positions [max(0, n - window), n) of its KV head h / (nh / nkv), n = ctx_lens[s], the
+ * keys and values read from k_cache / v_cache [num_blocks, bs, nkv, hd] through the block
+ * table row s of `tables` [nseq, tbl_ld]; the result goes to out[q_rows[s] * out_ld + h * hd].
+ * q rows are [nh, hd] at q + q_rows[s] * q_ld. window 0: no window. Scratch for the scores is
+ * allocated per thread (max_ctx floats). Returns 0, or -2 without memory. hd % VL must be 0. */
 int tg_decode_attention(const float *q, long q_ld, const long *q_rows, long nseq, long pad_row,
                         const float *k_cache, const float *v_cache, const long *tables,
                         long tbl_ld, const long *ctx_lens, long max_ctx, long bs, long nh,
                         long nkv, long hd, float scale, long window, float *out, long out_ld,
                         int nthreads) {
-    long rep = nh / nkv, row = nkv * hd; /* floats per cached token */
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && nseq * nkv > 1)
     {
@@ -168,46 +221,9 @@ int tg_decode_attention(const float *q, long q_ld, const long *q_rows, long nseq
         for (long s = 0; s < nseq; s++)
             for (long g = 0; g < nkv; g++) {
                 if (!p || q_rows[s] >= pad_row) continue;
-                long n = ctx_lens[s], lo = window > 0 && n > window ? n - window : 0;
-                const long *table = tables + s * tbl_ld;
-                for (long h = g * rep; h < (g + 1) * rep; h++) {
-                    const float *qh = q + q_rows[s] * q_ld + h * hd;
-                    float m = -INFINITY;
-                    for (long j = lo; j < n; j++) {
-                        const float *kj = k_cache + (table[j / bs] * bs + j % bs) * row + g * hd;
-                        vf acc = {};
-                        for (long d = 0; d < hd; d += VL)
-                            acc += *(const vfu *)(qh + d) * *(const vfu *)(kj + d);
-                        float sc = vsum(acc) * scale;
-                        p[j - lo] = sc;
-                        m = sc > m ? sc : m;
-                    }
-                    long len = n - lo;
-                    float total = 0.0f;
-                    long j = 0;
-                    for (; j + VL <= len; j += VL) {
-                        vf e = vexp_neg(*(vfu *)(p + j) - m);
-                        *(vfu *)(p + j) = e;
-                        total += vsum(e);
-                    }
-                    for (; j < len; j++) {
-                        vf v = (vf){} - 100.0f;
-                        v[0] = p[j] - m;
-                        p[j] = vexp_neg(v)[0];
-                        total += p[j];
-                    }
-                    float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                    float *oh = out + q_rows[s] * out_ld + h * hd;
-                    for (long d = 0; d < hd; d += VL) {
-                        vf acc = {};
-                        for (long jj = lo; jj < n; jj++) {
-                            const float *vj =
-                                v_cache + (table[jj / bs] * bs + jj % bs) * row + g * hd;
-                            acc += p[jj - lo] * *(const vfu *)(vj + d);
-                        }
-                        *(vfu *)(oh + d) = acc * inv;
-                    }
-                }
+                attend_kv_head(q, q_ld, q_rows[s], k_cache, v_cache, tables + s * tbl_ld,
+                               ctx_lens[s], bs, nkv, hd, nh / nkv, g, scale, window, out,
+                               out_ld, p);
             }
         free(p);
     }
@@ -216,53 +232,57 @@ int tg_decode_attention(const float *q, long q_ld, const long *q_rows, long nseq
 int tg_rows_abi(void) { return 3; }
 /* ---- fused elementwise ops of a forward (fp32, rows of a contiguous [T, ...] tensor) ---- */
 
+/* y = w * (x * rsqrt(mean(x^2) + eps)) over one row of H floats, H % VL == 0. */
+static inline void rms_row(const float *x, const float *w, float *y, long H, float eps) {
+    vf acc = {};
+    for (long d = 0; d < H; d += VL) {
+        vf v = *(const vfu *)(x + d);
+        acc += v * v;
+    }
+    float r = 1.0f / sqrtf(vsum(acc) / (float)H + eps);
+    for (long d = 0; d < H; d += VL)
+        *(vfu *)(y + d) = *(const vfu *)(w + d) * (*(const vfu *)(x + d) * r);
+}
+
 /* y[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), H % VL == 0. */
 void tg_rms_norm(const float *x, const float *w, float *y, long T, long H, float eps) {
-    for (long t = 0; t < T; t++) {
-        const float *xt = x + t * H;
-        vf acc = {};
-        for (long d = 0; d < H; d += VL) {
-            vf v = *(const vfu *)(xt + d);
-            acc += v * v;
-        }
-        float r = 1.0f / sqrtf(vsum(acc) / (float)H + eps);
-        for (long d = 0; d < H; d += VL)
-            *(vfu *)(y + t * H + d) = *(const vfu *)(w + d) * (*(const vfu *)(xt + d) * r);
+    for (long t = 0; t < T; t++) rms_row(x + t * H, w, y + t * H, H, eps);
+}
+
+/* y[i] = silu(g[i]) * u[i] over I floats, I % VL == 0. */
+static inline void silu_row(const float *g, const float *u, float *y, long I) {
+    for (long i = 0; i < I; i += VL) {
+        vf a = *(const vfu *)(g + i);
+        /* silu(a) = a / (1 + e^-a); e^-|a| keeps the exp's argument <= 0 */
+        vi neg = a < 0.0f;
+        vf e = vexp_neg((vf)((vi)a | ((vi){} + INT32_MIN))); /* e^-|a|: the sign bit set */
+        vf sig_pos = 1.0f / (1.0f + e);                      /* sigmoid(|a|) */
+        vf sig = (vf)(((vi)(1.0f - sig_pos) & neg) | ((vi)sig_pos & ~neg));
+        *(vfu *)(y + i) = a * sig * *(const vfu *)(u + i);
     }
 }
 
 /* y[t, i] = silu(gu[t, i]) * gu[t, I + i] for gu [T, 2I], I % VL == 0. */
 void tg_silu_mul(const float *gu, float *y, long T, long I) {
-    for (long t = 0; t < T; t++) {
-        const float *g = gu + t * 2 * I, *u = g + I;
-        for (long i = 0; i < I; i += VL) {
-            vf a = *(const vfu *)(g + i);
-            /* silu(a) = a / (1 + e^-a); e^-|a| keeps the exp's argument <= 0 */
-            vi neg = a < 0.0f;
-            vf e = vexp_neg((vf)((vi)a | ((vi){} + INT32_MIN))); /* e^-|a|: the sign bit set */
-            vf sig_pos = 1.0f / (1.0f + e);                  /* sigmoid(|a|) */
-            vf sig = (vf)(((vi)(1.0f - sig_pos) & neg) | ((vi)sig_pos & ~neg));
-            *(vfu *)(y + t * I + i) = a * sig * *(const vfu *)(u + i);
-        }
-    }
+    for (long t = 0; t < T; t++) silu_row(gu + t * 2 * I, gu + t * 2 * I + I, y + t * I, I);
 }
 
-/* Rotate-half RoPE in place on the first `heads` heads of each row of x [T, ld] (heads of hd
- * floats), cos / sin [T, hd]: x1' = x1 c - x2 s, x2' = x2 c + x1 s over the two halves. */
+/* Rotate-half RoPE in place on `heads` heads of hd floats at v, c / s [hd]:
+ * x1' = x1 c - x2 s, x2' = x2 c + x1 s over the two halves. */
+static inline void rope_row(float *v, long heads, long hd, const float *c, const float *s) {
+    long half = hd / 2;
+    for (long h = 0; h < heads; h++, v += hd)
+        for (long i = 0; i < half; i++) {
+            float a = v[i], b = v[i + half];
+            v[i] = a * c[i] - b * s[i];
+            v[i + half] = b * c[i + half] + a * s[i + half];
+        }
+}
+
+/* RoPE in place on the first `heads` heads of each row of x [T, ld], cos / sin [T, hd]. */
 void tg_rope(float *x, long ld, long T, long heads, long hd, const float *cos_t,
              const float *sin_t) {
-    long half = hd / 2;
-    for (long t = 0; t < T; t++) {
-        const float *c = cos_t + t * hd, *s = sin_t + t * hd;
-        for (long h = 0; h < heads; h++) {
-            float *v = x + t * ld + h * hd;
-            for (long i = 0; i < half; i++) {
-                float a = v[i], b = v[i + half];
-                v[i] = a * c[i] - b * s[i];
-                v[i + half] = b * c[i + half] + a * s[i + half];
-            }
-        }
-    }
+    for (long t = 0; t < T; t++) rope_row(x + t * ld, heads, hd, cos_t + t * hd, sin_t + t * hd);
 }
 
 int tg_rows_lanes(void) { return VL; }
