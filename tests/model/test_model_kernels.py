@@ -416,3 +416,20 @@ def test_decode_stack_self_check_catches_a_wrong_stack() -> None:
             x[0, 0] += 0.01
 
     assert "decode stack self-check failed" in (decode_self_check(Skewed()) or "")  # type: ignore[arg-type]
+
+
+def test_a_library_is_rebuilt_when_a_file_it_includes_changes(tmp_path: Path) -> None:
+    """decode.c includes gemv.c and rows.c: the cache key covers them, so editing an included
+    file builds a new library instead of loading the stale one."""
+    from tailguard.model.kernels.build import build_library, default_compiler
+
+    (tmp_path / "part.c").write_text("int tg_part(void) { return 1; }\n")
+    (tmp_path / "whole.c").write_text('#include "part.c"\nint tg_whole(void) { return 2; }\n')
+    try:
+        first = build_library(tmp_path / "whole.c", default_compiler(), tmp_path / "cache")
+    except (OSError, RuntimeError) as exc:
+        pytest.skip(f"no working C compiler here: {exc}")
+    assert build_library(tmp_path / "whole.c", default_compiler(), tmp_path / "cache") == first
+    (tmp_path / "part.c").write_text("int tg_part(void) { return 3; }\n")
+    second = build_library(tmp_path / "whole.c", default_compiler(), tmp_path / "cache")
+    assert second != first and second.exists()
