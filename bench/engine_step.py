@@ -12,6 +12,8 @@ instead of model/kernels/rows.c; --old-buckets
 runs with the token-bucket floor of 16 that preceded session 19, --profile adds a cProfile of
 the steps. Set OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=200000 to match the served engine.
 
+--prefill-peak times the prefill step (--batch x --prompt tokens) against the FLOPs it needs
+and a 2048^3 matmul in the same dtype on the same threads (the compute bound).
 --ab-fused runs op by op (fused_decode=False), then the fused decode stack (model/kernels/
 decode.c), and prints both against the bound last; --no-fused-decode runs op by op alone.
 --ab-kernel runs the step twice in one run, oneDNN only (small_m_kernel=False) then our
@@ -62,6 +64,9 @@ def read_bandwidth(threads: int, mbytes: int = 512, repeat: int = 7) -> float:
     return a.numel() * 4 / best / 1e9
 
 
+PREFILLS: list[float] = []  # every engine's prefill step, seconds (for --prefill-peak)
+
+
 def _timed(fn: Any) -> float:
     t0 = time.perf_counter()
     fn()
@@ -74,6 +79,30 @@ def weight_bytes(cfg: MistralConfig) -> int:
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     per_layer = (q + 2 * kv) * h + q * h + 2 * i * h + i * h
     return 4 * (cfg.num_hidden_layers * per_layer + cfg.vocab_size * h)
+
+
+def prefill_flops(cfg: MistralConfig, batch: int, prompt: int) -> float:
+    """FLOPs of one prefill step of `batch` prompts of `prompt` tokens: every projection on
+    every token, causal attention (QK^T and PV over the keys before each query), the head on
+    one row a sequence."""
+    tokens = batch * prompt
+    layer_params = weight_bytes(cfg) // 4 - cfg.vocab_size * cfg.hidden_size
+    attn = 2 * 2 * cfg.num_attention_heads * cfg.head_dim * batch * prompt * (prompt + 1) / 2
+    head = 2 * batch * cfg.vocab_size * cfg.hidden_size
+    return 2 * tokens * layer_params + cfg.num_hidden_layers * attn + head
+
+
+def matmul_peak(dtype: torch.dtype, threads: int, n: int = 2048, repeat: int = 5) -> float:
+    """GFLOP/s of an n x n x n matmul in `dtype` on `threads` threads (best of `repeat`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a @ b
+        best = min(_timed(lambda: a @ b) for _ in range(repeat))
+    finally:
+        torch.set_num_threads(before)
+    return 2 * n**3 / best / 1e9
 
 
 def matmul_shapes(cfg: MistralConfig) -> list[tuple[str, int, int]]:
@@ -139,6 +168,11 @@ def main() -> None:
         "--ab-fused", action="store_true", help="op by op, then the fused decode stack; ratio"
     )
     ap.add_argument("--matmuls", action="store_true", help="per-matmul micro bench")
+    ap.add_argument(
+        "--prefill-peak",
+        action="store_true",
+        help="the prefill step's GFLOP/s against a 2048^3 matmul's in the same dtype",
+    )
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     model = args.model or default_model_dir()
@@ -155,6 +189,19 @@ def main() -> None:
             )
     if args.matmuls:
         micro(cfg, args.batch, args.threads)
+    if args.prefill_peak:
+        dtype = getattr(torch, args.dtype)
+        peak = matmul_peak(dtype, args.threads)
+        flops = prefill_flops(cfg, args.batch, args.prompt)
+        run_engine(args, model, not args.no_kernel, not args.no_fused_decode)
+        got = flops / PREFILLS[-1] / 1e9
+        print(
+            f"prefill step {args.batch} x {args.prompt} tokens: {flops / 1e9:.1f} GFLOP in "
+            f"{PREFILLS[-1] * 1e3:.0f} ms = {got:.1f} GFLOP/s; {args.dtype} matmul peak "
+            f"(2048^3, {args.threads} threads) {peak:.1f} GFLOP/s: prefill at "
+            f"{peak / got:.2f}x the compute bound"
+        )
+        return
     if args.ab_fused:
         op, fused = (run_engine(args, model, not args.no_kernel, f) for f in (False, True))
         b = bound.get(args.threads, math.nan)
@@ -228,6 +275,7 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: b
             steps.append(t1 - t0)
             encodes.append(time.perf_counter() - t1)
         prefills.append(steps[0])
+        PREFILLS.append(steps[0])
         return steps[1:], forwards[1:], encodes[1:]  # [0] is the prefill
 
     run("warm")

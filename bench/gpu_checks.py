@@ -201,7 +201,7 @@ def check_graphs(core: EngineCore, max_seqs: int = 32, max_ladder: int = 4) -> R
             ]
             ids = [rng.randrange(3, runner.mcfg.vocab_size) for _ in range(g)]
             slots = [0] * g  # the null block's first slot
-            graphs._copy_in(g, b, ids, [c - 1 for c in ctx], slots, ctx, tables)
+            graphs.load(g, b, ids, [c - 1 for c in ctx], slots, ctx, tables)
             eager_fn = graphs.forward_fn(g, b)
             replay = graphs._replay[(g, b)]
             with torch.inference_mode():

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tailguard.core.request import RequestKind
@@ -100,6 +101,15 @@ class DecodeGraphs:
         }
         self.hidden = torch.zeros(g_max, model.config.hidden_size, dtype=model.dtype, device=dev)
         self.logits = torch.zeros(g_max, model.config.vocab_size, dtype=model.dtype, device=dev)
+        # host staging (engine/graphs.py `load`): numpy views of (on CUDA pinned) CPU tensors
+        pin = mode is GraphMode.CUDA
+        self._host_meta = torch.zeros(4, g_max, dtype=torch.long, pin_memory=pin)
+        self._host_tables = {
+            b: torch.zeros(g_max, b, dtype=torch.long, pin_memory=pin) for b in self.ladder
+        }
+        self._host_meta_np = self._host_meta.numpy()
+        self._host_tables_np = {b: t.numpy() for b, t in self._host_tables.items()}
+        self._padding = np.array([[0], [0], [NULL_BLOCK * block_size], [1]], dtype=np.int64)
         self._replay: dict[tuple[int, int], Callable[[], None]] = {}
         self._pool: Any = None  # torch.cuda.graph_pool_handle(), shared by every graph
 
@@ -170,43 +180,46 @@ class DecodeGraphs:
 
     def run(self, items: Sequence[ScheduledSeq], key: tuple[int, int]) -> DecodeOutput:
         g, b = key
-        n = len(items)
         bs = self.block_size
-        null_slot = NULL_BLOCK * bs
-        ids = [0] * g
-        pos = [0] * g
-        slots = [null_slot] * g
-        ctx = [1] * g
-        tables = [[NULL_BLOCK] * b for _ in range(g)]
-        for row, it in enumerate(items):
+        ids, pos, slots, ctx, tables = [], [], [], [], []
+        for it in items:
             seq, p = it.seq, it.start
             table = seq.block_table
-            ids[row] = seq.token_ids[p]
-            pos[row] = p
-            slots[row] = table[p // bs] * bs + p % bs
-            ctx[row] = p + 1
-            tables[row][: len(table)] = table
-        self._copy_in(g, b, ids, pos, slots, ctx, tables)
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            ctx.append(p + 1)
+            tables.append(table)
+        self.load(g, b, ids, pos, slots, ctx, tables)
         with torch.inference_mode():
             self._replay[key]()
+        n = len(items)
         return DecodeOutput(self.hidden[:n], self.logits[:n], graph_key(g, b))
 
-    def _copy_in(
+    def load(
         self,
         g: int,
         b: int,
-        ids: list[int],
-        pos: list[int],
-        slots: list[int],
-        ctx: list[int],
-        tables: list[list[int]],
+        ids: Sequence[int],
+        pos: Sequence[int],
+        slots: Sequence[int],
+        ctx: Sequence[int],
+        tables: Sequence[Sequence[int]],
     ) -> None:
-        meta = torch.tensor([ids, pos, slots, ctx], dtype=torch.long)  # [4, g]
-        table = torch.tensor(tables, dtype=torch.long)  # [g, b]
-        if self.mode is GraphMode.CUDA:  # pragma: no cover - needs a GPU
-            meta, table = meta.pin_memory(), table.pin_memory()
-        self.meta[:, :g].copy_(meta, non_blocking=True)
-        self.tables[b][:g].copy_(table, non_blocking=True)
+        """The inputs of bucket (G, B): len(ids) sequences, the rest of the G rows padding.
+        Staged in host buffers allocated once (pinned on CUDA) and copied in with two copies:
+        no [G, B] Python lists or tensors made per step (256 x 128 table entries at the
+        largest bucket). The previous step's copies are done by now: its tokens were read."""
+        n = len(ids)
+        m = self._host_meta_np
+        m[:, :n] = (ids, pos, slots, ctx)
+        m[:, n:g] = self._padding
+        t = self._host_tables_np[b]
+        t[:g] = NULL_BLOCK
+        for row, table in enumerate(tables):
+            t[row, : len(table)] = table
+        self.meta.copy_(self._host_meta, non_blocking=True)
+        self.tables[b][:g].copy_(self._host_tables[b][:g], non_blocking=True)
 
     def _reset_inputs(self, g: int) -> None:
         """Padding values everywhere: what capture-time forwards read."""
