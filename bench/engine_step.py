@@ -12,8 +12,9 @@ instead of model/kernels/rows.c; --old-buckets
 runs with the token-bucket floor of 16 that preceded session 19, --profile adds a cProfile of
 the steps. Set OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=200000 to match the served engine.
 
---prefill-peak times the prefill step (--batch x --prompt tokens) against the FLOPs it needs
-and a 2048^3 matmul in the same dtype on the same threads (the compute bound).
+--prefill-peak times the prefill of --batch x --prompt tokens (every step until each prompt
+has its first token) against the FLOPs it needs and a 2048^3 matmul in the same dtype on the
+same threads (the compute bound).
 --ab-fused runs op by op (fused_decode=False), then the fused decode stack (model/kernels/
 decode.c), and prints both against the bound last; --no-fused-decode runs op by op alone.
 --ab-kernel runs the step twice in one run, oneDNN only (small_m_kernel=False) then our
@@ -64,7 +65,8 @@ def read_bandwidth(threads: int, mbytes: int = 512, repeat: int = 7) -> float:
     return a.numel() * 4 / best / 1e9
 
 
-PREFILLS: list[float] = []  # every engine's prefill step, seconds (for --prefill-peak)
+PREFILL_STEPS: list[int] = []  # the last prefill's steps, ms
+PREFILLS: list[float] = []  # every engine's prefill (all its steps), seconds (for --prefill-peak)
 
 
 def _timed(fn: Any) -> float:
@@ -173,6 +175,9 @@ def main() -> None:
         action="store_true",
         help="the prefill step's GFLOP/s against a 2048^3 matmul's in the same dtype",
     )
+    ap.add_argument(
+        "--kv-cache-gib", type=int, default=4, help="KV pool (bench_vllm.py gives both 4 GiB)"
+    )
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     model = args.model or default_model_dir()
@@ -196,11 +201,12 @@ def main() -> None:
         run_engine(args, model, not args.no_kernel, not args.no_fused_decode)
         got = flops / PREFILLS[-1] / 1e9
         print(
-            f"prefill step {args.batch} x {args.prompt} tokens: {flops / 1e9:.1f} GFLOP in "
+            f"prefill {args.batch} x {args.prompt} tokens: {flops / 1e9:.1f} GFLOP in "
             f"{PREFILLS[-1] * 1e3:.0f} ms = {got:.1f} GFLOP/s; {args.dtype} matmul peak "
             f"(2048^3, {args.threads} threads) {peak:.1f} GFLOP/s: prefill at "
             f"{peak / got:.2f}x the compute bound"
         )
+        print(f"prefill steps (ms): {PREFILL_STEPS}")
         return
     if args.ab_fused:
         op, fused = (run_engine(args, model, not args.no_kernel, f) for f in (False, True))
@@ -235,6 +241,7 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: b
         dtype=args.dtype,
         threads=args.threads,
         max_model_len=2048,
+        kv_cache_bytes=args.kv_cache_gib * 2**30,
         nice=0,
         small_m_kernel=use_kernel,
         row_kernels=not args.no_row_kernels,
@@ -267,6 +274,8 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: b
             core.add(EngineRequest(request_id=f"{tag}{i}", prompt_token_ids=prompt, sampling=sp))
         steps, encodes = [], []
         forwards.clear()
+        started: set[str] = set()  # requests with a first token
+        prefill_steps = 0  # steps until every prompt is in (several when the budget chunks it)
         while core.has_work():
             t0 = time.perf_counter()
             outs = core.step()
@@ -274,9 +283,14 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: b
             encode(UpdateMsg(outputs=outs, stats=core.stats()))
             steps.append(t1 - t0)
             encodes.append(time.perf_counter() - t1)
-        prefills.append(steps[0])
-        PREFILLS.append(steps[0])
-        return steps[1:], forwards[1:], encodes[1:]  # [0] is the prefill
+            if len(started) < args.batch:
+                started.update(o.request_id for o in outs if o.new_token_ids)
+                prefill_steps += 1
+        prefills.append(sum(steps[:prefill_steps]))
+        PREFILL_STEPS[:] = [round(x * 1e3) for x in steps[:prefill_steps]]
+        PREFILLS.append(prefills[-1])
+        n = prefill_steps
+        return steps[n:], forwards[n:], encodes[n:]  # the prefill steps left out
 
     run("warm")
     steps, fwd, enc = run("run")
@@ -289,8 +303,9 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: b
         f"{model.name} batch={args.batch} threads={args.threads} dtype={args.dtype} "
         f"buckets={'from 16' if args.old_buckets else 'from 1'} {kernel}: decode step {s:.1f} "
         f"ms, forward {f:.1f} ms, outside the forward {s - f:.1f} ms, encode+stats {e:.2f} ms "
-        f"({args.batch / (s + e) * 1e3:.0f} tok/s engine-only); prefill step "
-        f"({args.batch} x {args.prompt} tokens) {prefills[-1] * 1e3:.0f} ms; RSS {rss:.0f} MiB"
+        f"({args.batch / (s + e) * 1e3:.0f} tok/s engine-only); prefill "
+        f"({args.batch} x {args.prompt} tokens, every chunk) {prefills[-1] * 1e3:.0f} ms; "
+        f"RSS {rss:.0f} MiB"
     )
     if args.profile:
         prof = cProfile.Profile()

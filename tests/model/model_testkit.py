@@ -127,6 +127,7 @@ class PagedCache:
                     block_tables=torch.tensor(tables),
                     context_lens=torch.tensor(ctx),
                     query_start=torch.tensor(start),
+                    from_start=all(s == 0 for s in start),  # as the runner sets it
                 )
             )
         batch = ForwardBatch(

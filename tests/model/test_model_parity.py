@@ -178,3 +178,43 @@ def test_forward_writes_cache_in_place(tiny_dir: Path, paged: type[PagedCache]) 
     ]
     # the sequence's 3 blocks (9 tokens / block 4) and the null block (padding writes)
     assert all(set(c) == {0, *cache.tables[0]} for c in changed)
+
+
+def test_first_chunks_attend_causally_as_the_mask_does(
+    tiny_full_tied_dir: Path, paged: type[PagedCache]
+) -> None:
+    """A group of first chunks (two prompts of different lengths, padded queries, a padding
+    row, spare table columns) takes SDPA's causal flag on CPU; its hidden states match the
+    additive-mask path's on the same batch, and the mask path still serves later chunks and
+    windows shorter than the queries."""
+    from dataclasses import replace
+
+    from tailguard.model.mistral import CAUSAL
+
+    ours, config = load_model(tiny_full_tied_dir)
+    a, b = _tokens(37, seed=31), _tokens(22, seed=32)
+    cache = paged(config)
+    batch, _ = cache.batch(
+        [[(0, a), (1, b)]], pad_tokens=3, pad_rows=1, pad_queries=5, pad_blocks=2
+    )
+    group = batch.groups[0]
+    assert group.from_start
+    assert ours._group_mask(group, torch.zeros(1, 1), 4) is CAUSAL
+    masked = replace(batch, groups=(replace(group, from_start=False),))
+    assert isinstance(ours._group_mask(masked.groups[0], torch.zeros(1, 1), 4), torch.Tensor)
+    hidden = {}
+    for name, bt in (("causal", batch), ("mask", masked)):
+        kv = paged(config).kv  # a fresh cache each: both runs write the same slots
+        with torch.inference_mode():
+            hidden[name] = ours(bt, kv)
+    n_real = len(a) + len(b)
+    torch.testing.assert_close(
+        hidden["causal"][:n_real], hidden["mask"][:n_real], atol=1e-5, rtol=0
+    )
+    assert torch.isfinite(hidden["causal"]).all(), "padding rows must stay finite"
+    # a later chunk (queries not at position 0) and a window shorter than the queries: masks
+    later, _ = cache.batch([[(0, _tokens(5, seed=33))]])
+    assert not later.groups[0].from_start
+    windowed, _ = load_model(tiny_full_tied_dir)
+    windowed.config = replace(config, sliding_window=8)
+    assert isinstance(windowed._group_mask(group, torch.zeros(1, 1), 4), torch.Tensor)

@@ -617,6 +617,7 @@ def _group(
         block_tables=torch.tensor(tables, dtype=torch.long, device=device),
         context_lens=torch.tensor(ctx, dtype=torch.long, device=device),
         query_start=torch.tensor(qstart, dtype=torch.long, device=device),
+        from_start=all(items[i].start == 0 for i in idx),
     )
     return group, key
 

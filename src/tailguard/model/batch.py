@@ -33,6 +33,7 @@ class AttnGroup:
         torch.Tensor
     )  # [G] int64: tokens in cache after this step's writes (>= 1 for padding rows)
     query_start: torch.Tensor  # [G] int64: position of the first new token (= context_len - q_len)
+    from_start: bool = False  # every sequence's queries start at position 0 (first chunks)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ from tailguard.model.kernels import DecodeStack, RowKernel, SmallMKernel
 from tailguard.model.kernels.decode import LayerRefs, StackDims
 
 __all__ = [
+    "CAUSAL",
+    "CausalMask",
     "KernelLinear",
     "MistralModel",
     "PackedLinear",
@@ -54,6 +56,20 @@ def allocate_kv_cache(
         )
         for _ in range(config.num_hidden_layers)
     ]
+
+
+class CausalMask:
+    """How a group of first chunks attends (`AttnGroup.from_start`): every sequence's query i
+    sits at position i, so SDPA's top-left causal flag hides exactly the keys the additive mask
+    would (the later positions), and its flash kernel skips the hidden blocks instead of adding
+    -inf to them: 1.2-2.2x faster attention on the 2-core CPU (session 24, docs/benchmarks.md).
+    Padding queries (beyond a prompt, or whole padding rows) see keys 0..i of stale or null
+    blocks: finite garbage in rows nothing reads. CPU only: on CUDA warm-up runs each group
+    shape's masked attention, and a causal kernel would be a shape it did not run."""
+
+
+CAUSAL = CausalMask()
+Mask = Tensor | CausalMask | None  # a group's attention in one step: see MistralModel._group_mask
 
 
 def attention_mask(
@@ -186,7 +202,7 @@ class Attention(nn.Module):
         cos: Tensor,  # [T, 1, hd]
         sin: Tensor,  # [T, 1, hd]
         batch: ForwardBatch,
-        masks: list[Tensor | None],  # per group [G, 1, Q, S]; None: a decode group on `fused`
+        masks: list[Mask],  # per group [G, 1, Q, S], CAUSAL, or None: a decode group on `fused`
         kv_cache: tuple[Tensor, Tensor],  # each [num_blocks, block_size, nkv, hd]
     ) -> Tensor:
         n_tok = x.shape[0]
@@ -232,7 +248,7 @@ class Attention(nn.Module):
         self,
         q_ext: Tensor,  # [T+1, nh, hd] this step's queries, row T zeros (the padding row)
         group: AttnGroup,
-        mask: Tensor,  # [G, 1, Q, S]
+        mask: Tensor | CausalMask,  # [G, 1, Q, S], or CAUSAL for first chunks
         k_cache: Tensor,  # [num_blocks, block_size, nkv, hd]
         v_cache: Tensor,
         out: Tensor,  # [T+1, nh*hd] written at the group's token rows
@@ -251,7 +267,8 @@ class Attention(nn.Module):
             qg.transpose(1, 2),  # [G, nh, Q, hd]
             kg.transpose(1, 2),  # [G, nkv, S, hd]
             vg.transpose(1, 2),  # [G, nkv, S, hd]
-            attn_mask=mask,  # [G, 1, Q, S]
+            attn_mask=None if isinstance(mask, CausalMask) else mask,  # [G, 1, Q, S]
+            is_causal=isinstance(mask, CausalMask),  # top-left: query i sees keys 0..i
             enable_gqa=True,
         )  # [G, nh, Q, hd]
         out.index_copy_(0, flat_q, og.transpose(1, 2).reshape(n_seq * q_len, -1))
@@ -286,7 +303,7 @@ class DecoderLayer(nn.Module):
         cos: Tensor,
         sin: Tensor,
         batch: ForwardBatch,
-        masks: list[Tensor | None],
+        masks: list[Mask],
         kv_cache: tuple[Tensor, Tensor],
     ) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, batch, masks, kv_cache)
@@ -336,22 +353,28 @@ class MistralModel(nn.Module):
         cos = self.rope_cos.index_select(0, batch.positions).to(x.dtype)[:, None]  # [T, 1, hd]
         sin = self.rope_sin.index_select(0, batch.positions).to(x.dtype)[:, None]  # [T, 1, hd]
         block_size = kv_caches[0][0].shape[1]
-        on_kernel = self.row_kernel is not None  # its decode groups need no mask
-        masks = [  # identical in every layer: build once per step
-            None
-            if on_kernel and g.token_index.shape[1] == 1
-            else attention_mask(
-                g,
-                x.shape[0],
-                g.block_tables.shape[1] * block_size,
-                self.config.sliding_window,
-                x.dtype,
-            )
-            for g in batch.groups
-        ]
+        masks = [self._group_mask(g, x, block_size) for g in batch.groups]  # once per step
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, batch, masks, kv_cache)
         return self.norm(x)
+
+    def _group_mask(self, group: AttnGroup, x: Tensor, block_size: int) -> Mask:
+        """How a group attends in every layer of this step: None for a decode group on the row
+        kernel, CAUSAL for first chunks on CPU (SDPA's causal flag skips the hidden half), else
+        the additive mask."""
+        q_len = group.token_index.shape[1]
+        if self.row_kernel is not None and q_len == 1:
+            return None
+        window = self.config.sliding_window
+        if (
+            group.from_start
+            and q_len > 1
+            and x.device.type == "cpu"
+            and (window is None or window >= q_len)
+        ):
+            return CAUSAL
+        kv_len = group.block_tables.shape[1] * block_size
+        return attention_mask(group, x.shape[0], kv_len, window, x.dtype)
 
     def use_row_kernel(self, kernel: RowKernel | None) -> bool:
         """Run decode groups' attention, RoPE, RMSNorm and the MLP's silu(gate) * up on
