@@ -13,8 +13,8 @@ runs with the token-bucket floor of 16 that preceded session 19, --profile adds 
 the steps. Set OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=200000 to match the served engine.
 
 --prefill-peak times the prefill of --batch x --prompt tokens (every step until each prompt
-has its first token) against the FLOPs it needs and a 2048^3 matmul in the same dtype on the
-same threads (the compute bound).
+has its first token) against the FLOPs it needs and bench_engine.py's matmul peak (2048^3
+products for 1 s) in the same dtype on the same threads (the compute bound).
 --ab-fused runs op by op (fused_decode=False), then the fused decode stack (model/kernels/
 decode.c), and prints both against the bound last; --no-fused-decode runs op by op alone.
 --ab-kernel runs the step twice in one run, oneDNN only (small_m_kernel=False) then our
@@ -42,6 +42,7 @@ import msgspec
 import psutil
 import torch
 
+from bench_engine import flops_per_token, matmul_flops
 from tailguard.core.request import EngineRequest, SamplingParams
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.core import EngineCore
@@ -65,8 +66,7 @@ def read_bandwidth(threads: int, mbytes: int = 512, repeat: int = 7) -> float:
     return a.numel() * 4 / best / 1e9
 
 
-PREFILL_STEPS: list[int] = []  # the last prefill's steps, ms
-PREFILLS: list[float] = []  # every engine's prefill (all its steps), seconds (for --prefill-peak)
+PREFILL_STEPS: list[float] = []  # the last run's prefill steps (until every first token), s
 
 
 def _timed(fn: Any) -> float:
@@ -84,27 +84,10 @@ def weight_bytes(cfg: MistralConfig) -> int:
 
 
 def prefill_flops(cfg: MistralConfig, batch: int, prompt: int) -> float:
-    """FLOPs of one prefill step of `batch` prompts of `prompt` tokens: every projection on
-    every token, causal attention (QK^T and PV over the keys before each query), the head on
-    one row a sequence."""
-    tokens = batch * prompt
-    layer_params = weight_bytes(cfg) // 4 - cfg.vocab_size * cfg.hidden_size
-    attn = 2 * 2 * cfg.num_attention_heads * cfg.head_dim * batch * prompt * (prompt + 1) / 2
-    head = 2 * batch * cfg.vocab_size * cfg.hidden_size
-    return 2 * tokens * layer_params + cfg.num_hidden_layers * attn + head
-
-
-def matmul_peak(dtype: torch.dtype, threads: int, n: int = 2048, repeat: int = 5) -> float:
-    """GFLOP/s of an n x n x n matmul in `dtype` on `threads` threads (best of `repeat`)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        a @ b
-        best = min(_timed(lambda: a @ b) for _ in range(repeat))
-    finally:
-        torch.set_num_threads(before)
-    return 2 * n**3 / best / 1e9
+    """FLOPs of prefilling `batch` prompts of `prompt` tokens (bench_engine's count per token,
+    at the mean causal context), with the head on one row a sequence."""
+    per_token = flops_per_token(cfg, ctx=(prompt + 1) / 2, logits=False)
+    return batch * (prompt * per_token + 2 * cfg.hidden_size * cfg.vocab_size)
 
 
 def matmul_shapes(cfg: MistralConfig) -> list[tuple[str, int, int]]:
@@ -173,7 +156,7 @@ def main() -> None:
     ap.add_argument(
         "--prefill-peak",
         action="store_true",
-        help="the prefill step's GFLOP/s against a 2048^3 matmul's in the same dtype",
+        help="the prefill's GFLOP/s against a 2048^3 matmul's in the same dtype",
     )
     ap.add_argument(
         "--kv-cache-gib", type=int, default=4, help="KV pool (bench_vllm.py gives both 4 GiB)"
@@ -195,18 +178,19 @@ def main() -> None:
     if args.matmuls:
         micro(cfg, args.batch, args.threads)
     if args.prefill_peak:
-        dtype = getattr(torch, args.dtype)
-        peak = matmul_peak(dtype, args.threads)
+        torch.set_num_threads(args.threads)
+        peak = matmul_flops(getattr(torch, args.dtype)) / 1e9  # bench_engine's MFU peak
         flops = prefill_flops(cfg, args.batch, args.prompt)
         run_engine(args, model, not args.no_kernel, not args.no_fused_decode)
-        got = flops / PREFILLS[-1] / 1e9
+        took = sum(PREFILL_STEPS)
+        got = flops / took / 1e9
         print(
             f"prefill {args.batch} x {args.prompt} tokens: {flops / 1e9:.1f} GFLOP in "
-            f"{PREFILLS[-1] * 1e3:.0f} ms = {got:.1f} GFLOP/s; {args.dtype} matmul peak "
-            f"(2048^3, {args.threads} threads) {peak:.1f} GFLOP/s: prefill at "
+            f"{took * 1e3:.0f} ms = {got:.1f} GFLOP/s; {args.dtype} matmul peak "
+            f"(2048^3 for 1 s, {args.threads} threads) {peak:.1f} GFLOP/s: prefill at "
             f"{peak / got:.2f}x the compute bound"
         )
-        print(f"prefill steps (ms): {PREFILL_STEPS}")
+        print(f"prefill steps (ms): {[round(x * 1e3) for x in PREFILL_STEPS]}")
         return
     if args.ab_fused:
         op, fused = (run_engine(args, model, not args.no_kernel, f) for f in (False, True))
@@ -263,8 +247,6 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: b
 
     core.runner.model.forward = timed  # type: ignore[method-assign]
 
-    prefills: list[float] = []
-
     def run(tag: str) -> tuple[list[float], list[float], list[float]]:
         for i in range(args.batch):
             prompt = tuple(rng.randrange(3, 32000) for _ in range(args.prompt))
@@ -286,10 +268,8 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: b
             if len(started) < args.batch:
                 started.update(o.request_id for o in outs if o.new_token_ids)
                 prefill_steps += 1
-        prefills.append(sum(steps[:prefill_steps]))
-        PREFILL_STEPS[:] = [round(x * 1e3) for x in steps[:prefill_steps]]
-        PREFILLS.append(prefills[-1])
         n = prefill_steps
+        PREFILL_STEPS[:] = steps[:n]
         return steps[n:], forwards[n:], encodes[n:]  # the prefill steps left out
 
     run("warm")
@@ -304,7 +284,7 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: b
         f"buckets={'from 16' if args.old_buckets else 'from 1'} {kernel}: decode step {s:.1f} "
         f"ms, forward {f:.1f} ms, outside the forward {s - f:.1f} ms, encode+stats {e:.2f} ms "
         f"({args.batch / (s + e) * 1e3:.0f} tok/s engine-only); prefill "
-        f"({args.batch} x {args.prompt} tokens, every chunk) {prefills[-1] * 1e3:.0f} ms; "
+        f"({args.batch} x {args.prompt} tokens, every chunk) {sum(PREFILL_STEPS) * 1e3:.0f} ms; "
         f"RSS {rss:.0f} MiB"
     )
     if args.profile:

@@ -215,6 +215,5 @@ def test_first_chunks_attend_causally_as_the_mask_does(
     # a later chunk (queries not at position 0) and a window shorter than the queries: masks
     later, _ = cache.batch([[(0, _tokens(5, seed=33))]])
     assert not later.groups[0].from_start
-    windowed, _ = load_model(tiny_full_tied_dir)
-    windowed.config = replace(config, sliding_window=8)
-    assert isinstance(windowed._group_mask(group, torch.zeros(1, 1), 4), torch.Tensor)
+    ours.config = replace(config, sliding_window=8)  # this test's own model
+    assert isinstance(ours._group_mask(group, torch.zeros(1, 1), 4), torch.Tensor)

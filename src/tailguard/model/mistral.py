@@ -62,7 +62,7 @@ class CausalMask:
     """How a group of first chunks attends (`AttnGroup.from_start`): every sequence's query i
     sits at position i, so SDPA's top-left causal flag hides exactly the keys the additive mask
     would (the later positions), and its flash kernel skips the hidden blocks instead of adding
-    -inf to them: 1.2-2.2x faster attention on the 2-core CPU (session 24, docs/benchmarks.md).
+    -inf to them: 1.3-2.3x faster per attention call on the 2-core CPU (session 24, micro).
     Padding queries (beyond a prompt, or whole padding rows) see keys 0..i of stale or null
     blocks: finite garbage in rows nothing reads. CPU only: on CUDA warm-up runs each group
     shape's masked attention, and a causal kernel would be a shape it did not run."""
