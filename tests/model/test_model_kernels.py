@@ -284,7 +284,8 @@ def test_decode_attention_kernel_matches_the_sdpa_path(window: int) -> None:
 def test_engine_generates_the_same_tokens_with_the_decode_attention_kernel(
     tmp_path: Path,
 ) -> None:
-    """Greedy generation on the embedded model, row kernels on and off: same tokens."""
+    """Greedy generation on the embedded model, row kernels on and off: same tokens. In fp32,
+    the kernels' dtype: `auto` serves bf16 on a CPU with native bf16, where they stay off."""
     if load_row_kernel() is None:
         pytest.skip("the row kernels could not be built here (no C compiler?)")
     model = default_model_dir()
@@ -293,7 +294,8 @@ def test_engine_generates_the_same_tokens_with_the_decode_attention_kernel(
     runs = []
     for on in (False, True):
         core = EngineCore(
-            EngineConfig(model_dir=str(model), threads=1, nice=0, row_kernels=on), model
+            EngineConfig(model_dir=str(model), threads=1, nice=0, row_kernels=on, dtype="float32"),
+            model,
         )
         assert (core.runner.model.layers[0].attn.fused is not None) == on
         core.warmup()
