@@ -1,8 +1,9 @@
 """Admission policy stepped by hand: no clock, no HTTP, no engine.
 
 The step cost is a = 10 ms per step plus b = 0.1 ms per token, 1024 tokens and 64 sequences per
-step; the priors of the calibration are neutral (ratio 1, excess 0) unless a test is about them,
-so every prediction below can be computed by hand from the model in core/admission.py.
+step; the priors of the calibration are neutral (ratio 1, excess 0) and the overload headroom is
+off unless a test is about them, so every prediction below can be computed by hand from the
+model in core/admission.py.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ A, B = 0.010, 0.0001
 def make(**kw: object) -> AdmissionController:
     kw.setdefault("prior_ratio", 1.0)
     kw.setdefault("prior_excess_s", 0.0)
+    kw.setdefault("overload_headroom", 0.0)
     cfg = AdmissionConfig(prior_step_overhead_s=A, prior_s_per_token=B, **kw)  # type: ignore[arg-type]
     return AdmissionController(cfg)
 
@@ -446,3 +448,44 @@ def test_the_tokens_step_cost_is_the_previous_linear_model() -> None:
     c.cost.refit()
     assert (c.cost.a, c.cost.b, c.cost.c) == pytest.approx((A, B, 0.0))
     assert decide(c, "x", tokens=50).predicted_s == pytest.approx(A + 50 * B)
+
+
+def test_under_overload_the_queue_is_kept_short_of_the_deadline() -> None:
+    """Once recent decisions refuse, a request is planned for only part of its time left:
+    the refused share, up to overload_headroom."""
+    c = make(overload_headroom=0.33, overload_window_s=1.0)
+    assert decide(c, "a", tokens=1000, now=0.0).admitted
+    assert c.headroom(0.0) == 0.0  # nothing refused yet: the whole deadline is planned for
+    # 1,010 tokens in 1 step after the running one: 0.111 + 0.11 = 0.221 s
+    assert decide(c, "b", tokens=10, deadline=0.25, now=0.0).admitted
+    assert not decide(c, "x", tokens=1000, deadline=0.15, now=0.0).admitted  # 1 of 3 refused
+    assert c.headroom(0.0) == pytest.approx(1 / 3 * 0.99, rel=0.02)
+    # "b" again: it fitted 0.25 s; with a third of it kept free (0.167 s) it does not
+    d = decide(c, "b2", tokens=10, deadline=0.25, now=0.0)
+    assert not d.admitted and d.code == "late"
+    assert "planned for (overloaded" in d.reason and "leaves 250 ms" in d.reason
+    # a deadline long enough for the queue is admitted all the same (scales with it)
+    assert decide(c, "long", tokens=10, deadline=0.40, now=0.0).admitted
+
+
+def test_the_overload_headroom_fades_with_the_window_and_spares_an_idle_engine() -> None:
+    c = make(overload_headroom=0.33, overload_window_s=1.0)
+    assert decide(c, "a", tokens=1000, now=0.0).admitted
+    for i in range(5):
+        assert not decide(c, f"x{i}", tokens=1000, now=0.0).admitted
+    assert c.headroom(0.1) == pytest.approx(0.33)  # capped
+    assert c.headroom(0.7) == pytest.approx(0.33)  # the older half-window still counts
+    assert c.headroom(1.6) == 0.0  # both halves rolled past: forgotten
+    # refusals counted through `saturated` (commit=False) count too; its admits do not
+    assert c.saturated(now_s=2.0, deadline_s=2.0001, priority=INT, single_pass=True)
+    assert c.headroom(2.0) > 0.0
+    c.release("a")  # nothing in flight: an idle engine plans for the whole deadline
+    assert c.headroom(2.0) == 0.0
+    assert decide(c, "big", tokens=1000, deadline=0.12, now=2.0).admitted  # 0.11 s of 0.12
+
+
+def test_admission_off_keeps_no_overload_headroom() -> None:
+    c = make(enabled=False, overload_headroom=0.33)
+    for i in range(4):
+        assert decide(c, f"a{i}", tokens=1000).admitted
+    assert c.headroom(0.0) == 0.0

@@ -110,6 +110,11 @@ class ServerConfig:
     """The largest chance of missing its deadline one admitted request may carry while the
     recent admissions leave room in the miss budget (0 to 0.25; 0: plan every request for
     admission_quantile)."""
+    admission_overload_headroom: float = 0.33
+    """Under overload, the share of its time left a request is planned to leave unused: the
+    share of the last second's requests refused, up to this (0 to 0.5; 0: always plan to the
+    whole deadline). Refusing one more request then costs no goodput, and the shorter queue
+    leaves room for the delays the server cannot see (the client's, the network's)."""
     admission_step_cost: str = "rows"
     """How admission prices an engine step: rows (a + b * tokens + c * head rows, at the
     engine's padded bucket sizes) or tokens (a + b * tokens, unpadded: the model before
@@ -263,6 +268,7 @@ class ServerConfig:
             enabled=self.admission == "on",
             target_quantile=self.admission_quantile,
             max_request_risk=self.admission_max_request_risk,
+            overload_headroom=self.admission_overload_headroom,
             step_cost=self.admission_step_cost,
         )
 
