@@ -303,6 +303,7 @@ class App:
         self.metrics.step_cost.labels("b").set(self.admission.cost.b)
         self.metrics.step_cost.labels("c").set(self.admission.cost.c)
         self.metrics.expected_misses.set(self.admission.expected_miss_share)
+        self.metrics.overload_headroom.set(self.admission.headroom(time.monotonic()))
         call.respond(200, self.metrics.render(), [(b"content-type", CONTENT_TYPE.encode())])
 
     async def _models(self, call: Call) -> None:

@@ -110,9 +110,9 @@ class ServerConfig:
     """The largest chance of missing its deadline one admitted request may carry while the
     recent admissions leave room in the miss budget (0 to 0.25; 0: plan every request for
     admission_quantile)."""
-    admission_overload_headroom: float = 0.33
+    admission_overload_headroom: float = 0.5
     """Under overload, the share of its time left a request is planned to leave unused: the
-    share of the last second's requests refused, up to this (0 to 0.5; 0: always plan to the
+    share of the last second's requests refused, up to this (0 to 0.9; 0: always plan to the
     whole deadline). Refusing one more request then costs no goodput, and the shorter queue
     leaves room for the delays the server cannot see (the client's, the network's)."""
     admission_step_cost: str = "rows"

@@ -227,6 +227,15 @@ REGISTERED: tuple[MetricSpec, ...] = (
         None,
     ),
     MetricSpec(
+        "overload_headroom",
+        Gauge,
+        "tailguard_admission_overload_headroom",
+        "The share of its time left a request is planned to leave unused now: the share of the "
+        "last second's requests refused, up to admission_overload_headroom (0 below capacity)",
+        (),
+        None,
+    ),
+    MetricSpec(
         "cache_hits",
         Counter,
         "tailguard_cache_hits",
@@ -345,6 +354,7 @@ class ServerMetrics:
     calibration: Gauge
     step_cost: Gauge
     expected_misses: Gauge
+    overload_headroom: Gauge
     cache_hits: Counter
     waiting: Gauge
     running: Gauge
