@@ -60,9 +60,15 @@ def hf_model(folder: Path) -> torch.nn.Module:
 class PagedCache:
     """A miniature runner: block allocation, slot mapping and batch building by hand."""
 
-    def __init__(self, config: MistralConfig, num_blocks: int = 64, block_size: int = 4) -> None:
+    def __init__(
+        self,
+        config: MistralConfig,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.block_size = block_size
-        self.kv = allocate_kv_cache(config, num_blocks, block_size, torch.float32, "cpu")
+        self.kv = allocate_kv_cache(config, num_blocks, block_size, dtype, "cpu")
         self.free = list(range(num_blocks - 1, NULL_BLOCK, -1))  # pop() from the low end
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}

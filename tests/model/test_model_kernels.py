@@ -16,6 +16,7 @@ from tests.model.model_testkit import PagedCache, make_checkpoint
 from tailguard.core.request import EngineRequest, SamplingParams
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.core import EngineCore
+from tailguard.model import mistral
 from tailguard.model.batch import AttnGroup
 from tailguard.model.config import MistralConfig
 from tailguard.model.embedded import default_model_dir
@@ -232,11 +233,14 @@ def test_engine_greedy_tokens_identical_with_and_without_kernel(kernel: SmallMKe
     assert with_kernel == without
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 37])
-def test_decode_attention_kernel_matches_the_sdpa_path(window: int) -> None:
+def test_decode_attention_kernel_matches_the_sdpa_path(window: int, dtype: torch.dtype) -> None:
     """One decode group read straight from a paged cache (blocks scattered, contexts 1-300,
     GQA 8 query / 2 KV heads, two padding rows, optionally a sliding window) against the
-    gather + SDPA path of `Attention.attend` with the engine's mask."""
+    gather + SDPA path of `Attention.attend` with the engine's mask. bf16: the kernel reads the
+    bf16 cache and rounds its output once; the reference is the fp32 path on the same bf16
+    values, rounded to bf16, so the two may differ by one bf16 step."""
     kernel = load_row_kernel()
     if kernel is None:
         pytest.skip("the row kernels could not be built here (no C compiler?)")
@@ -249,8 +253,8 @@ def test_decode_attention_kernel_matches_the_sdpa_path(window: int) -> None:
         sliding_window=window or None, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     attn = Attention(cfg)
-    k_cache = torch.randn(blocks, bs, nkv, hd, generator=g)
-    v_cache = torch.randn(blocks, bs, nkv, hd, generator=g)
+    k_cache = torch.randn(blocks, bs, nkv, hd, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, bs, nkv, hd, generator=g).to(dtype)
     ctx = [1, 300, 17, 16, 33, 129, 1, 1]  # the last two rows are padding
     n_tok = 6
     width = max(-(-c // bs) for c in ctx)
@@ -266,19 +270,35 @@ def test_decode_attention_kernel_matches_the_sdpa_path(window: int) -> None:
         context_lens=torch.tensor(ctx),
         query_start=torch.tensor([c - 1 for c in ctx]),
     )
-    q = torch.randn(n_tok, nh, hd, generator=g)
-    q_ext = torch.cat((q, q.new_zeros(1, nh, hd)))
+    q = torch.randn(n_tok, nh, hd, generator=g).to(dtype)
+    q_ext = torch.cat((q, q.new_zeros(1, nh, hd))).float()
     mask = attention_mask(group, n_tok, width * bs, window or None)
     want = torch.zeros(n_tok + 1, nh * hd)
-    attn.attend(q_ext, group, mask, k_cache, v_cache, want)
+    attn.attend(q_ext, group, mask, k_cache.float(), v_cache.float(), want)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one step of its 8-bit mantissa
     for threads in (1, 2):
-        got = torch.full((n_tok + 1, nh * hd), 7.0)
+        got = torch.full((n_tok + 1, nh * hd), 7.0, dtype=dtype)
         kernel.decode_attention(
             q, group.token_index[:, 0].contiguous(), n_tok, k_cache, v_cache,
             group.block_tables, group.context_lens, width * bs, window, got, threads,
         )  # fmt: skip
-        torch.testing.assert_close(got[:n_tok], want[:n_tok], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            got[:n_tok].float(), want[:n_tok].to(dtype).float(), rtol=tol, atol=tol
+        )
         assert (got[n_tok] == 7.0).all(), "padding rows are skipped, not written"
+    if dtype == torch.bfloat16:  # the fp32 kernel on the same values: the output rounds once
+        got32 = torch.zeros(n_tok + 1, nh * hd)
+        kernel.decode_attention(
+            q.float(), group.token_index[:, 0].contiguous(), n_tok, k_cache.float(),
+            v_cache.float(), group.block_tables, group.context_lens, width * bs, window, got32,
+        )  # fmt: skip
+        torch.testing.assert_close(got[:n_tok], got32[:n_tok].to(dtype), rtol=0, atol=0)
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    with pytest.raises(ValueError, match="all fp32 or all bf16"):
+        kernel.decode_attention(
+            q, group.token_index[:, 0].contiguous(), n_tok, k_cache.to(other), v_cache,
+            group.block_tables, group.context_lens, width * bs, window, got,
+        )  # fmt: skip
 
 
 def test_engine_generates_the_same_tokens_with_the_decode_attention_kernel(
@@ -328,6 +348,44 @@ def test_fused_forward_matches_the_torch_forward(tmp_path: Path) -> None:
         _, want, _ = caches[0].run(plain, groups)
         _, got, _ = caches[1].run(fused, groups)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_decode_groups_attend_on_the_kernel_up_to_its_context_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 model on the row kernels: decode groups whose context fits
+    BF16_DECODE_KERNEL_MAX_CTX read the bf16 cache on the kernel, longer ones take SDPA; the
+    outputs are as close to the fp32 forward as the plain bf16 forward's are."""
+    kernel = load_row_kernel()
+    if kernel is None:
+        pytest.skip("the row kernels could not be built here (no C compiler?)")
+    folder = make_checkpoint(tmp_path / "ckpt")
+    exact, _ = load_model(folder, dtype=torch.float32)
+    plain, _ = load_model(folder, dtype=torch.bfloat16)
+    fused, _ = load_model(folder, dtype=torch.bfloat16)
+    assert fused.use_row_kernel(kernel)
+    calls = []
+    real = kernel.decode_attention
+    monkeypatch.setattr(
+        kernel, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    prompts = [[5, 9, 17, 3, 22, 8, 1, 40, 2], [40, 2], [7] * 21]
+    caches = [PagedCache(m.config, 80, 4, m.dtype) for m in (exact, plain, fused)]
+    steps = [[[(i, p) for i, p in enumerate(prompts)]], [[(i, [11 + i]) for i in range(3)]]]
+    steps.append([[(i, [30 + i]) for i in range(3)]])
+    for n, groups in enumerate(steps):
+        if n == 2:  # the last step's contexts (up to 24 tokens) past the bound: SDPA
+            monkeypatch.setattr(mistral, "BF16_DECODE_KERNEL_MAX_CTX", 8)
+            before = len(calls)
+        _, ref, _ = caches[0].run(exact, groups)
+        _, want, _ = caches[1].run(plain, groups)
+        _, got, _ = caches[2].run(fused, groups)
+        torch_err = (want.float() - ref).abs().max().item()
+        kernel_err = (got.float() - ref).abs().max().item()
+        assert kernel_err <= 1.5 * torch_err + 1e-3, (n, kernel_err, torch_err)
+        if n == 1:
+            assert len(calls) == fused.config.num_hidden_layers  # one group, every layer
+    assert len(calls) == before, "past the bound, decode groups go to SDPA"
 
 
 def _stack_or_skip() -> DecodeStack:

@@ -25,6 +25,7 @@ from tailguard.model.batch import AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
 from tailguard.model.kernels import DecodeStack, RowKernel, SmallMKernel
 from tailguard.model.kernels.decode import LayerRefs, StackDims
+from tailguard.model.kernels.rows import MAX_REP
 
 __all__ = [
     "CAUSAL",
@@ -98,6 +99,13 @@ def attention_mask(
     visible |= pad & (k_pos == 0)
     mask = torch.zeros(visible.shape, dtype=dtype, device=device)
     return mask.masked_fill_(~visible, float("-inf"))[:, None]  # broadcast over heads
+
+
+# Longest context (the group's padded block-table width, in tokens) a bf16 decode group reads
+# on the row kernel; longer ones gather and run SDPA, whose bf16 attention (AMX on the session-25
+# Xeon) overtakes the kernel's: 246M model, 32 sequences, decode step 0.90x SDPA's time at
+# 64-80 tokens of context, equal at 192-320, 1.13x at 512 (docs/benchmarks.md, issue 12).
+BF16_DECODE_KERNEL_MAX_CTX = 192
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -193,7 +201,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.hidden_size, q_dim + 2 * kv_dim, bias=False)
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
         self.window = config.sliding_window or 0
-        # decode groups on our own kernel (model/kernels/rows.c) where set: CPU fp32
+        # decode groups on our own kernel (model/kernels/rows.c) where set: CPU fp32 or bf16
         self.fused: RowKernel | None = None
 
     def forward(
@@ -208,7 +216,8 @@ class Attention(nn.Module):
         n_tok = x.shape[0]
         qkv = self.wqkv(x)
         kernel = self.fused
-        if kernel is not None and qkv.is_contiguous():  # q and k rotated in place, one pass
+        if kernel is not None and qkv.dtype == torch.float32 and qkv.is_contiguous():
+            # q and k rotated in place, one pass
             kernel.rope_(qkv, self.n_head + self.n_kv, self.head_dim, cos[:, 0], sin[:, 0])
             q, k, v = qkv.split(self.split, dim=-1)
             q = q.view(n_tok, self.n_head, self.head_dim)  # [T, nh, hd], rows strided
@@ -360,10 +369,12 @@ class MistralModel(nn.Module):
 
     def _group_mask(self, group: AttnGroup, x: Tensor, block_size: int) -> Mask:
         """How a group attends in every layer of this step: None for a decode group on the row
-        kernel, CAUSAL for first chunks on CPU (SDPA's causal flag skips the hidden half), else
-        the additive mask."""
+        kernel (bf16: up to BF16_DECODE_KERNEL_MAX_CTX tokens of context), CAUSAL for first
+        chunks on CPU (SDPA's causal flag skips the hidden half), else the additive mask."""
         q_len = group.token_index.shape[1]
-        if self.row_kernel is not None and q_len == 1:
+        kv_len = group.block_tables.shape[1] * block_size
+        short = x.dtype != torch.bfloat16 or kv_len <= BF16_DECODE_KERNEL_MAX_CTX
+        if self.row_kernel is not None and q_len == 1 and short:
             return None
         window = self.config.sliding_window
         if (
@@ -373,19 +384,20 @@ class MistralModel(nn.Module):
             and (window is None or window >= q_len)
         ):
             return CAUSAL
-        kv_len = group.block_tables.shape[1] * block_size
         return attention_mask(group, x.shape[0], kv_len, window, x.dtype)
 
     def use_row_kernel(self, kernel: RowKernel | None) -> bool:
         """Run decode groups' attention, RoPE, RMSNorm and the MLP's silu(gate) * up on
-        `kernel` (model/kernels/rows.c) where it applies: CPU fp32, head_dim, hidden and
+        `kernel` (model/kernels/rows.c) where it applies: CPU fp32 or bf16 (bf16: the decode
+        attention only; the elementwise ops check for fp32 themselves), head_dim, hidden and
         intermediate sizes whole numbers of its vector lanes. Returns whether it does."""
         c = self.config
         ok = (
             kernel is not None
-            and self.dtype == torch.float32
+            and self.dtype in (torch.float32, torch.bfloat16)
             and self.device.type == "cpu"
             and all(n % kernel.lanes == 0 for n in (c.head_dim, c.hidden_size, c.intermediate_size))
+            and c.num_attention_heads // c.num_key_value_heads <= MAX_REP
         )
         use = self.row_kernel = kernel if ok else None
         self.norm.fused = use

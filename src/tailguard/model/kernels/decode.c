@@ -38,7 +38,7 @@ static long max3(long a, long b, long c) { return a > b ? (a > c ? a : c) : (b >
 long tg_decode_scratch(const struct tg_dims *d, long T, long max_ctx, int nthreads) {
     long nq = d->nh * d->hd, nqkv = (d->nh + 2 * d->nkv) * d->hd;
     long xt = T > MB_MAX ? T * max3(d->H, nq, d->I) : 0;
-    return T * (2 * d->H + nqkv + nq + 3 * d->I) + xt + (long)nthreads * (max_ctx + 1);
+    return T * (2 * d->H + nqkv + nq + 3 * d->I) + xt + (long)nthreads * (d->nh / d->nkv) * (max_ctx + 1);
 }
 
 static void add_row(float *x, const float *y, long H) {
@@ -56,7 +56,9 @@ int tg_decode_stack(const struct tg_layer *layers, long n_layers, const struct t
                     const long *ctx_lens, long max_ctx, float *scratch, int nthreads) {
     const long H = d->H, I = d->I, hd = d->hd, nkv = d->nkv;
     const long nq = d->nh * hd, nqkv = (d->nh + 2 * nkv) * hd, row = nkv * hd;
-    if (T < 1 || nthreads < 1 || H % VL || I % VL || hd % VL || d->nh % nkv) return -1;
+    if (T < 1 || nthreads < 1 || H % VL || I % VL || hd % VL || d->nh % nkv ||
+        d->nh / nkv > REP_MAX)
+        return -1;
     float *h = scratch, *qkv = h + T * H, *att = qkv + T * nqkv, *tmp = att + T * nq;
     float *gu = tmp + T * H, *act = gu + T * 2 * I, *xt = act + T * I;
     float *scores = xt + (T > MB_MAX ? T * max3(H, nq, I) : 0);
@@ -64,7 +66,7 @@ int tg_decode_stack(const struct tg_layer *layers, long n_layers, const struct t
     {
 #ifdef _OPENMP
         extern int omp_get_thread_num(void);
-        float *p = scores + (long)omp_get_thread_num() * (max_ctx + 1);
+        float *p = scores + (long)omp_get_thread_num() * (d->nh / d->nkv) * (max_ctx + 1);
 #else
         float *p = scores;
 #endif

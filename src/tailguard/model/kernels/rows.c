@@ -21,6 +21,7 @@
 #include <stdlib.h>
 
 #define BLOCK 256
+#define REP_MAX 16 /* query heads per KV head the decode attention takes (nh / nkv) */
 
 #if defined(__AVX512F__)
 #define VBYTES 64
@@ -144,75 +145,124 @@ static inline float vsum(vf v) {
     return s;
 }
 
-/* For every sequence s whose query row q_rows[s] is below pad_row: each query head h attends
- * over positions [max(0, n - window), n) of its KV head h / (nh / nkv), n = ctx_lens[s], the
- * keys and values read from k_cache / v_cache [num_blocks, bs, nkv, hd] through the block
- * table row s of `tables` [nseq, tbl_ld]; the result goes to out[q_rows[s] * out_ld + h * hd].
- * q rows are [nh, hd] at q + q_rows[s] * q_ld. window 0: no window. Scratch for the scores is
- * allocated per thread (max_ctx floats). Returns 0, or -2 without memory. hd % VL must be 0. */
+/* bf16 <-> fp32, VL lanes: bf16 is the top half of an fp32; rounding to nearest even with NaN
+ * kept quiet, as c10::BFloat16 rounds (so a bf16 model's kernel output rounds as torch's). */
+typedef uint16_t vh __attribute__((vector_size(VBYTES / 2)));
+typedef uint16_t vhu __attribute__((vector_size(VBYTES / 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VBYTES)));
+
+static inline vf load_bf16(const uint16_t *p) {
+    return (vf)(__builtin_convertvector(*(const vhu *)p, vu) << 16);
+}
+
+static inline void store_bf16(uint16_t *p, vf v) {
+    vu b = (vu)v;
+    vu r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+    r = (vu)(((vi)(v != v) & (vi)((vu){} + 0x7FC0u)) | (~(vi)(v != v) & (vi)r));
+    *(vhu *)p = __builtin_convertvector(r, vh);
+}
+
+/* VL elements at p + i as fp32: the element type is a constant at every call site. */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+ALWAYS_INLINE vf load_at(const void *p, long i, const int bf16) {
+    return bf16 ? load_bf16((const uint16_t *)p + i) : *(const vfu *)((const float *)p + i);
+}
+
+ALWAYS_INLINE void store_at(void *p, long i, vf v, const int bf16) {
+    if (bf16)
+        store_bf16((uint16_t *)p + i, v);
+    else
+        *(vfu *)((float *)p + i) = v;
+}
+
 /* Query heads g * rep .. (g + 1) * rep of query row q + qrow * q_ld (its KV head g) over
  * positions [max(0, n - window), n) read through `table`; results to out + qrow * out_ld.
- * p: scratch of n floats. */
-static void attend_kv_head(const float *q, long q_ld, long qrow, const float *k_cache,
-                           const float *v_cache, const long *table, long n, long bs, long nkv,
-                           long hd, long rep, long g, float scale, long window, float *out,
-                           long out_ld, float *p) {
-    long row = nkv * hd; /* floats per cached token */
-    long lo = window > 0 && n > window ? n - window : 0;
-    for (long h = g * rep; h < (g + 1) * rep; h++) {
-        const float *qh = q + qrow * q_ld + h * hd;
-        float m = -INFINITY;
-        for (long j = lo; j < n; j++) {
-            const float *kj = k_cache + (table[j / bs] * bs + j % bs) * row + g * hd;
-            vf acc = {};
-            for (long d = 0; d < hd; d += VL)
-                acc += *(const vfu *)(qh + d) * *(const vfu *)(kj + d);
-            float sc = vsum(acc) * scale;
-            p[j - lo] = sc;
-            m = sc > m ? sc : m;
+ * p: scratch of rep * n floats. q, the caches and out are fp32, or with `bf16` all bf16
+ * (scores, softmax and sums in fp32 either way, the output rounded once). Strides count
+ * elements. The rep heads go together: each key and value row is read (and converted) once
+ * for all of them, not once per head (GQA: 4 heads a row on Mistral); per head, the sums run
+ * in the same order as one head alone would. */
+ALWAYS_INLINE void attend_kv_head_t(const void *q, long q_ld, long qrow, const void *k_cache,
+                                    const void *v_cache, const long *table, long n, long bs,
+                                    long nkv, long hd, long rep, long g, float scale,
+                                    long window, void *out, long out_ld, float *p,
+                                    const int bf16) {
+    long row = nkv * hd; /* elements per cached token */
+    long lo = window > 0 && n > window ? n - window : 0, len = n - lo;
+    long q0 = qrow * q_ld + g * rep * hd; /* the group's first head */
+    float m[REP_MAX];
+    for (long r = 0; r < rep; r++) m[r] = -INFINITY;
+    for (long j = lo; j < n; j++) {
+        long kj = (table[j / bs] * bs + j % bs) * row + g * hd;
+        vf acc[REP_MAX];
+        for (long r = 0; r < rep; r++) acc[r] = (vf){};
+        for (long d = 0; d < hd; d += VL) {
+            vf k = load_at(k_cache, kj + d, bf16);
+            for (long r = 0; r < rep; r++) acc[r] += load_at(q, q0 + r * hd + d, bf16) * k;
         }
-        long len = n - lo;
-        float total = 0.0f;
+        for (long r = 0; r < rep; r++) {
+            float sc = vsum(acc[r]) * scale;
+            p[r * len + j - lo] = sc;
+            m[r] = sc > m[r] ? sc : m[r];
+        }
+    }
+    float inv[REP_MAX];
+    for (long r = 0; r < rep; r++) {
+        float *pr = p + r * len, total = 0.0f;
         long j = 0;
         for (; j + VL <= len; j += VL) {
-            vf e = vexp_neg(*(vfu *)(p + j) - m);
-            *(vfu *)(p + j) = e;
+            vf e = vexp_neg(*(vfu *)(pr + j) - m[r]);
+            *(vfu *)(pr + j) = e;
             total += vsum(e);
         }
         for (; j < len; j++) {
             vf v = (vf){} - 100.0f;
-            v[0] = p[j] - m;
-            p[j] = vexp_neg(v)[0];
-            total += p[j];
+            v[0] = pr[j] - m[r];
+            pr[j] = vexp_neg(v)[0];
+            total += pr[j];
         }
-        float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        float *oh = out + qrow * out_ld + h * hd;
-        for (long d = 0; d < hd; d += VL) {
-            vf acc = {};
-            for (long jj = lo; jj < n; jj++) {
-                const float *vj = v_cache + (table[jj / bs] * bs + jj % bs) * row + g * hd;
-                acc += p[jj - lo] * *(const vfu *)(vj + d);
-            }
-            *(vfu *)(oh + d) = acc * inv;
+        inv[r] = total > 0.0f ? 1.0f / total : 0.0f;
+    }
+    long o0 = qrow * out_ld + g * rep * hd;
+    for (long d = 0; d < hd; d += VL) {
+        vf acc[REP_MAX];
+        for (long r = 0; r < rep; r++) acc[r] = (vf){};
+        for (long jj = lo; jj < n; jj++) {
+            vf v = load_at(v_cache, (table[jj / bs] * bs + jj % bs) * row + g * hd + d, bf16);
+            for (long r = 0; r < rep; r++) acc[r] += p[r * len + jj - lo] * v;
         }
+        for (long r = 0; r < rep; r++) store_at(out, o0 + r * hd + d, acc[r] * inv[r], bf16);
     }
 }
 
-/* For every sequence s whose query row q_rows[s] is below pad_row: each query head h attends
- * over positions [max(0, n - window), n) of its KV head h / (nh / nkv), n = ctx_lens[s], the
- * keys and values read from k_cache / v_cache [num_blocks, bs, nkv, hd] through the block
- * table row s of `tables` [nseq, tbl_ld]; the result goes to out[q_rows[s] * out_ld + h * hd].
- * q rows are [nh, hd] at q + q_rows[s] * q_ld. window 0: no window. Scratch for the scores is
- * allocated per thread (max_ctx floats). Returns 0, or -2 without memory. hd % VL must be 0. */
-int tg_decode_attention(const float *q, long q_ld, const long *q_rows, long nseq, long pad_row,
-                        const float *k_cache, const float *v_cache, const long *tables,
-                        long tbl_ld, const long *ctx_lens, long max_ctx, long bs, long nh,
-                        long nkv, long hd, float scale, long window, float *out, long out_ld,
-                        int nthreads) {
+static void attend_kv_head(const float *q, long q_ld, long qrow, const float *k_cache,
+                           const float *v_cache, const long *table, long n, long bs, long nkv,
+                           long hd, long rep, long g, float scale, long window, float *out,
+                           long out_ld, float *p) {
+    attend_kv_head_t(q, q_ld, qrow, k_cache, v_cache, table, n, bs, nkv, hd, rep, g, scale,
+                     window, out, out_ld, p, 0);
+}
+
+static void attend_kv_head_bf16(const uint16_t *q, long q_ld, long qrow,
+                                const uint16_t *k_cache, const uint16_t *v_cache,
+                                const long *table, long n, long bs, long nkv, long hd, long rep,
+                                long g, float scale, long window, uint16_t *out, long out_ld,
+                                float *p) {
+    attend_kv_head_t(q, q_ld, qrow, k_cache, v_cache, table, n, bs, nkv, hd, rep, g, scale,
+                     window, out, out_ld, p, 1);
+}
+
+/* tg_decode_attention, on fp32 or (bf16) bf16 tensors. */
+static int decode_attention(const void *q, long q_ld, const long *q_rows, long nseq,
+                            long pad_row, const void *k_cache, const void *v_cache,
+                            const long *tables, long tbl_ld, const long *ctx_lens, long max_ctx,
+                            long bs, long nh, long nkv, long hd, float scale, long window,
+                            void *out, long out_ld, int nthreads, int bf16) {
+    if (nh % nkv || nh / nkv > REP_MAX) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && nseq * nkv > 1)
     {
-        float *p = malloc((size_t)(max_ctx > 0 ? max_ctx : 1) * sizeof(float));
+        float *p = malloc((size_t)(nh / nkv) * (size_t)(max_ctx > 0 ? max_ctx : 1) * sizeof(float));
         if (!p) {
 #pragma omp atomic write
             failed = 1;
@@ -221,15 +271,47 @@ int tg_decode_attention(const float *q, long q_ld, const long *q_rows, long nseq
         for (long s = 0; s < nseq; s++)
             for (long g = 0; g < nkv; g++) {
                 if (!p || q_rows[s] >= pad_row) continue;
-                attend_kv_head(q, q_ld, q_rows[s], k_cache, v_cache, tables + s * tbl_ld,
-                               ctx_lens[s], bs, nkv, hd, nh / nkv, g, scale, window, out,
-                               out_ld, p);
+                if (bf16)
+                    attend_kv_head_bf16(q, q_ld, q_rows[s], k_cache, v_cache,
+                                        tables + s * tbl_ld, ctx_lens[s], bs, nkv, hd, nh / nkv,
+                                        g, scale, window, out, out_ld, p);
+                else
+                    attend_kv_head(q, q_ld, q_rows[s], k_cache, v_cache, tables + s * tbl_ld,
+                                   ctx_lens[s], bs, nkv, hd, nh / nkv, g, scale, window, out,
+                                   out_ld, p);
             }
         free(p);
     }
     return failed ? -2 : 0;
 }
-int tg_rows_abi(void) { return 3; }
+
+/* For every sequence s whose query row q_rows[s] is below pad_row: each query head h attends
+ * over positions [max(0, n - window), n) of its KV head h / (nh / nkv), n = ctx_lens[s], the
+ * keys and values read from k_cache / v_cache [num_blocks, bs, nkv, hd] through the block
+ * table row s of `tables` [nseq, tbl_ld]; the result goes to out[q_rows[s] * out_ld + h * hd].
+ * q rows are [nh, hd] at q + q_rows[s] * q_ld. window 0: no window. Scratch for the scores is
+ * allocated per thread (nh / nkv * max_ctx floats). Returns 0, -1 when nh / nkv > REP_MAX,
+ * or -2 without memory. hd % VL must be 0. fp32 q, caches and out; tg_decode_attention_bf16: all four bf16 (uint16). */
+int tg_decode_attention(const float *q, long q_ld, const long *q_rows, long nseq, long pad_row,
+                        const float *k_cache, const float *v_cache, const long *tables,
+                        long tbl_ld, const long *ctx_lens, long max_ctx, long bs, long nh,
+                        long nkv, long hd, float scale, long window, float *out, long out_ld,
+                        int nthreads) {
+    return decode_attention(q, q_ld, q_rows, nseq, pad_row, k_cache, v_cache, tables, tbl_ld,
+                            ctx_lens, max_ctx, bs, nh, nkv, hd, scale, window, out, out_ld,
+                            nthreads, 0);
+}
+
+int tg_decode_attention_bf16(const uint16_t *q, long q_ld, const long *q_rows, long nseq,
+                             long pad_row, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const long *tables, long tbl_ld, const long *ctx_lens, long max_ctx,
+                             long bs, long nh, long nkv, long hd, float scale, long window,
+                             uint16_t *out, long out_ld, int nthreads) {
+    return decode_attention(q, q_ld, q_rows, nseq, pad_row, k_cache, v_cache, tables, tbl_ld,
+                            ctx_lens, max_ctx, bs, nh, nkv, hd, scale, window, out, out_ld,
+                            nthreads, 1);
+}
+int tg_rows_abi(void) { return 4; }
 /* ---- fused elementwise ops of a forward (fp32, rows of a contiguous [T, ...] tensor) ---- */
 
 /* y = w * (x * rsqrt(mean(x^2) + eps)) over one row of H floats, H % VL == 0. */

@@ -22,7 +22,8 @@ from tailguard.model.kernels.build import Loader
 __all__ = ["RowKernel", "load_row_kernel", "self_check"]
 
 SOURCE = Path(__file__).with_name("rows.c")
-ABI = 3
+ABI = 4
+MAX_REP = 16  # rows.c REP_MAX: query heads per KV head the decode attention takes
 
 
 class RowKernel:
@@ -51,6 +52,9 @@ class RowKernel:
             c_void_p, c_long, c_long, c_long, c_long, c_long, c_float, c_long, c_void_p, c_long,
             c_int,
         ]  # fmt: skip
+        self._attn_bf16 = lib.tg_decode_attention_bf16
+        self._attn_bf16.restype = ctypes.c_int
+        self._attn_bf16.argtypes = self._attn.argtypes
         self.lanes = int(lib.tg_rows_lanes())
         self._rms = lib.tg_rms_norm
         self._rms.restype = None
@@ -100,19 +104,26 @@ class RowKernel:
         """One query per sequence (a decode group), over the paged cache in place: for each
         sequence s with q_rows[s] < pad_row, out[q_rows[s]] = softmax(q K^T / sqrt(hd)) V over
         its last ctx_lens[s] positions (within `window`, 0: none), GQA heads as in
-        transformers' repeat_kv. q [T, nh, hd] fp32 (rows may be strided: a view of the fused
-        qkv), out [T, nh * hd] fp32 contiguous; caches
-        [blocks, bs, nkv, hd]; tables [G, B] and ctx_lens [G] int64."""
+        transformers' repeat_kv. q [T, nh, hd] (rows may be strided: a view of the fused
+        qkv), out [T, nh * hd] contiguous; caches [blocks, bs, nkv, hd]: all four fp32, or all
+        bf16 (scores and sums in fp32, the output rounded once); tables [G, B] and ctx_lens [G]
+        int64."""
         _, nh, hd = q.shape
         _, bs, nkv, _ = k_cache.shape
         if q.stride(2) != 1 or q.stride(1) != hd:
             raise ValueError(f"decode attention reads q rows of [nh, hd]: strides {q.stride()}")
-        rc = self._attn(
+        dtypes = {q.dtype, k_cache.dtype, v_cache.dtype, out.dtype}
+        if dtypes not in ({torch.float32}, {torch.bfloat16}):
+            raise ValueError(f"decode attention needs all fp32 or all bf16 tensors: got {dtypes}")
+        fn = self._attn if q.dtype == torch.float32 else self._attn_bf16
+        rc = fn(
             q.data_ptr(), q.stride(0), q_rows.data_ptr(), q_rows.shape[0], pad_row,
             k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             ctx_lens.data_ptr(), max_ctx, bs, nh, nkv, hd, hd**-0.5, window, out.data_ptr(),
             out.stride(0), threads,
         )  # fmt: skip
+        if rc == -1:
+            raise ValueError(f"decode attention takes up to {MAX_REP} query heads a KV head")
         if rc != 0:  # pragma: no cover - a few KiB of scratch per thread
             raise MemoryError("decode attention: no memory for the scores")
 
