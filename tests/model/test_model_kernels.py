@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tests.model.model_testkit import PagedCache, make_checkpoint
 
 from tailguard.core.request import EngineRequest, SamplingParams
@@ -39,6 +40,9 @@ from tailguard.model.mistral import (
     KernelLinear,
     MistralModel,
     PackedLinear,
+    RMSNorm,
+    _rope_table,
+    apply_rope,
     attention_mask,
 )
 
@@ -493,3 +497,43 @@ def test_a_library_is_rebuilt_when_a_file_it_includes_changes(tmp_path: Path) ->
     (tmp_path / "part.c").write_text("int tg_part(void) { return 3; }\n")
     second = build_library(tmp_path / "whole.c", default_compiler(), tmp_path / "cache")
     assert second != first and second.exists()
+
+
+def test_bf16_elementwise_kernels_round_where_torch_rounds() -> None:
+    """RMSNorm, silu(gate) * up and RoPE on bf16 rows against the model's torch ops in bf16:
+    the same rounding points, so equal but for the last bit where fp32 sums (the mean, exp)
+    are taken in another order; over 1 and 2 threads, 1 and 40 rows."""
+    kernel = load_row_kernel()
+    if kernel is None:
+        pytest.skip("the row kernels could not be built here (no C compiler?)")
+    g = torch.Generator().manual_seed(5)
+    bf = torch.bfloat16
+    one_step = 2**-7  # the bf16 step at 1.0
+    for rows, threads in ((1, 1), (40, 2)):
+        x = (torch.randn(rows, 256, generator=g) * 3).to(bf)
+        norm = RMSNorm(256, 1e-5).to(bf)
+        norm.weight.data = (torch.rand(256, generator=g) + 0.5).to(bf)
+        want = norm(x)
+        got = kernel.rms_norm(x, norm.weight.data, 1e-5, threads)
+        torch.testing.assert_close(got.float(), want.float(), rtol=one_step, atol=0)
+        assert (got == want).float().mean() > 0.95
+
+        gu = (torch.randn(rows, 2 * 96, generator=g) * 4).to(bf)
+        gate, up = gu.chunk(2, dim=-1)
+        want = F.silu(gate) * up
+        got = kernel.silu_mul(gu, threads)
+        # two roundings (silu, then the product), each possibly a step apart
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 * one_step, atol=1e-6)
+        assert (got == want).float().mean() > 0.95
+
+        heads, hd = 6, 64
+        qkv = torch.randn(rows, heads * hd + 32, generator=g).to(bf)
+        pos = torch.randint(0, 500, (rows,), generator=g)
+        cos_t, sin_t = (t.index_select(0, pos).to(bf) for t in _rope_table(512, hd, 1e4))
+        want = apply_rope(
+            qkv[:, : heads * hd].view(rows, heads, hd), cos_t[:, None], sin_t[:, None]
+        )
+        got = qkv.clone()
+        kernel.rope_(got, heads, hd, cos_t, sin_t, threads)
+        assert torch.equal(got[:, : heads * hd].view(rows, heads, hd), want)
+        assert torch.equal(got[:, heads * hd :], qkv[:, heads * hd :]), "only `heads` heads"

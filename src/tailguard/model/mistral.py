@@ -171,11 +171,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.fused: RowKernel | None = None  # one compiled pass (CPU fp32) where set
+        self.fused: RowKernel | None = None  # one compiled pass (CPU fp32 or bf16) where set
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fused is not None and x.dtype == torch.float32 and x.is_contiguous():
-            return self.fused.rms_norm(x, self.weight, self.eps)
+        kernel = self.fused
+        if kernel is not None and x.is_contiguous() and x.dtype == self.weight.dtype:
+            return kernel.rms_norm(x, self.weight, self.eps, torch.get_num_threads())
         # Normalise in fp32 and cast back before the weight, exactly as transformers does, so
         # bf16 serving rounds at the same places as the reference.
         xf = x.float()
@@ -216,9 +217,10 @@ class Attention(nn.Module):
         n_tok = x.shape[0]
         qkv = self.wqkv(x)
         kernel = self.fused
-        if kernel is not None and qkv.dtype == torch.float32 and qkv.is_contiguous():
+        if kernel is not None and qkv.is_contiguous() and self._rope_fits(kernel, qkv):
             # q and k rotated in place, one pass
-            kernel.rope_(qkv, self.n_head + self.n_kv, self.head_dim, cos[:, 0], sin[:, 0])
+            threads = torch.get_num_threads()
+            kernel.rope_(qkv, self.n_head + self.n_kv, self.head_dim, cos[:, 0], sin[:, 0], threads)
             q, k, v = qkv.split(self.split, dim=-1)
             q = q.view(n_tok, self.n_head, self.head_dim)  # [T, nh, hd], rows strided
             k = k.view(n_tok, self.n_kv, self.head_dim)
@@ -252,6 +254,9 @@ class Attention(nn.Module):
                 q_ext = torch.cat((q, q.new_zeros(1, self.n_head, self.head_dim)))
             self.attend(q_ext, group, mask, k_cache, v_cache, out)
         return self.wo(out[:n_tok])  # [T, H]
+
+    def _rope_fits(self, kernel: RowKernel, qkv: Tensor) -> bool:
+        return qkv.dtype == torch.float32 or self.head_dim // 2 % kernel.lanes == 0
 
     def attend(
         self,
@@ -292,8 +297,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.w13(x)  # [T, 2I]
-        if self.fused is not None and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
-            return self.w2(self.fused.silu_mul(gate_up))
+        if self.fused is not None and gate_up.is_contiguous():
+            return self.w2(self.fused.silu_mul(gate_up, torch.get_num_threads()))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return self.w2(F.silu(gate) * up)
 
@@ -388,9 +393,9 @@ class MistralModel(nn.Module):
 
     def use_row_kernel(self, kernel: RowKernel | None) -> bool:
         """Run decode groups' attention, RoPE, RMSNorm and the MLP's silu(gate) * up on
-        `kernel` (model/kernels/rows.c) where it applies: CPU fp32 or bf16 (bf16: the decode
-        attention only; the elementwise ops check for fp32 themselves), head_dim, hidden and
-        intermediate sizes whole numbers of its vector lanes. Returns whether it does."""
+        `kernel` (model/kernels/rows.c) where it applies: CPU fp32 or bf16, head_dim, hidden
+        and intermediate sizes whole numbers of its vector lanes (bf16 RoPE: half of head_dim,
+        else torch's). Returns whether it does."""
         c = self.config
         ok = (
             kernel is not None

@@ -311,7 +311,7 @@ int tg_decode_attention_bf16(const uint16_t *q, long q_ld, const long *q_rows, l
                             ctx_lens, max_ctx, bs, nh, nkv, hd, scale, window, out, out_ld,
                             nthreads, 1);
 }
-int tg_rows_abi(void) { return 4; }
+int tg_rows_abi(void) { return 5; }
 /* ---- fused elementwise ops of a forward (fp32, rows of a contiguous [T, ...] tensor) ---- */
 
 /* y = w * (x * rsqrt(mean(x^2) + eps)) over one row of H floats, H % VL == 0. */
@@ -331,17 +331,20 @@ void tg_rms_norm(const float *x, const float *w, float *y, long T, long H, float
     for (long t = 0; t < T; t++) rms_row(x + t * H, w, y + t * H, H, eps);
 }
 
+/* silu(a) = a * sigmoid(a), with e = e^-|a| (the exp's argument <= 0): sigmoid(a) is
+ * 1 / (1 + e) for a >= 0 and e / (1 + e) below, which keeps its relative precision where it is
+ * tiny (1 - 1 / (1 + e) would cancel: ~1% off at a = -12). */
+static inline vf silu(vf a) {
+    vi neg = a < 0.0f;
+    vf e = vexp_neg((vf)((vi)a | ((vi){} + INT32_MIN))); /* e^-|a|: the sign bit set */
+    vf num = (vf)(((vi)e & neg) | ((vi)((vf){} + 1.0f) & ~neg));
+    return a * (num / (1.0f + e));
+}
+
 /* y[i] = silu(g[i]) * u[i] over I floats, I % VL == 0. */
 static inline void silu_row(const float *g, const float *u, float *y, long I) {
-    for (long i = 0; i < I; i += VL) {
-        vf a = *(const vfu *)(g + i);
-        /* silu(a) = a / (1 + e^-a); e^-|a| keeps the exp's argument <= 0 */
-        vi neg = a < 0.0f;
-        vf e = vexp_neg((vf)((vi)a | ((vi){} + INT32_MIN))); /* e^-|a|: the sign bit set */
-        vf sig_pos = 1.0f / (1.0f + e);                      /* sigmoid(|a|) */
-        vf sig = (vf)(((vi)(1.0f - sig_pos) & neg) | ((vi)sig_pos & ~neg));
-        *(vfu *)(y + i) = a * sig * *(const vfu *)(u + i);
-    }
+    for (long i = 0; i < I; i += VL)
+        *(vfu *)(y + i) = silu(*(const vfu *)(g + i)) * *(const vfu *)(u + i);
 }
 
 /* y[t, i] = silu(gu[t, i]) * gu[t, I + i] for gu [T, 2I], I % VL == 0. */
@@ -365,6 +368,60 @@ static inline void rope_row(float *v, long heads, long hd, const float *c, const
 void tg_rope(float *x, long ld, long T, long heads, long hd, const float *cos_t,
              const float *sin_t) {
     for (long t = 0; t < T; t++) rope_row(x + t * ld, heads, hd, cos_t + t * hd, sin_t + t * hd);
+}
+
+/* ---- the same three ops on bf16 rows, rounding where torch's bf16 ops round ----
+ * RMSNorm: transformers normalises in fp32, rounds to bf16, then multiplies by the bf16
+ * weight (rounded again); silu(gate) rounds, then the product with up rounds; RoPE rounds each
+ * product and then their sum. Sums run in fp32. Rows are split over OpenMP threads (a prefill
+ * step has thousands); H, I and hd % VL == 0. */
+static inline vf rne(vf v) { /* fp32 rounded to the nearest bf16, as an fp32 */
+    vu b = (vu)v;
+    vu r = ((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16) << 16;
+    return (vf)(((vi)(v != v) & (vi)v) | (~(vi)(v != v) & (vi)r));
+}
+
+void tg_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, long T, long H,
+                      float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 16)
+    for (long t = 0; t < T; t++) {
+        const uint16_t *xr = x + t * H;
+        vf acc = {};
+        for (long d = 0; d < H; d += VL) {
+            vf v = load_bf16(xr + d);
+            acc += v * v;
+        }
+        float r = 1.0f / sqrtf(vsum(acc) / (float)H + eps);
+        for (long d = 0; d < H; d += VL)
+            store_bf16(y + t * H + d, load_bf16(w + d) * rne(load_bf16(xr + d) * r));
+    }
+}
+
+void tg_silu_mul_bf16(const uint16_t *gu, uint16_t *y, long T, long I, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 16)
+    for (long t = 0; t < T; t++) {
+        const uint16_t *g = gu + t * 2 * I, *u = g + I;
+        for (long i = 0; i < I; i += VL)
+            store_bf16(y + t * I + i, rne(silu(load_bf16(g + i))) * load_bf16(u + i));
+    }
+}
+
+void tg_rope_bf16(uint16_t *x, long ld, long T, long heads, long hd, const uint16_t *cos_t,
+                  const uint16_t *sin_t, int nthreads) {
+    long half = hd / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 16)
+    for (long t = 0; t < T; t++) {
+        const uint16_t *c = cos_t + t * hd, *s = sin_t + t * hd;
+        uint16_t *v = x + t * ld;
+        for (long h = 0; h < heads; h++, v += hd)
+            for (long i = 0; i < half; i += VL) {
+                vf a = load_bf16(v + i), b = load_bf16(v + i + half);
+                vf a2 = rne(a * load_bf16(c + i)) + rne(-b * load_bf16(s + i));
+                vf b2 = rne(b * load_bf16(c + i + half)) + rne(a * load_bf16(s + i + half));
+                store_bf16(v + i, a2);
+                store_bf16(v + i + half, b2);
+            }
+    }
 }
 
 int tg_rows_lanes(void) { return VL; }

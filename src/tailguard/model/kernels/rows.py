@@ -22,7 +22,7 @@ from tailguard.model.kernels.build import Loader
 __all__ = ["RowKernel", "load_row_kernel", "self_check"]
 
 SOURCE = Path(__file__).with_name("rows.c")
-ABI = 4
+ABI = 5
 MAX_REP = 16  # rows.c REP_MAX: query heads per KV head the decode attention takes
 
 
@@ -65,27 +65,52 @@ class RowKernel:
         self._rope = lib.tg_rope
         self._rope.restype = None
         self._rope.argtypes = [c_void_p, c_long, c_long, c_long, c_long, c_void_p, c_void_p]
+        c_int = ctypes.c_int
+        self._rms_bf16 = lib.tg_rms_norm_bf16
+        self._rms_bf16.restype = None
+        self._rms_bf16.argtypes = [*self._rms.argtypes, c_int]
+        self._silu_bf16 = lib.tg_silu_mul_bf16
+        self._silu_bf16.restype = None
+        self._silu_bf16.argtypes = [*self._silu.argtypes, c_int]
+        self._rope_bf16 = lib.tg_rope_bf16
+        self._rope_bf16.restype = None
+        self._rope_bf16.argtypes = [*self._rope.argtypes, c_int]
         self._lib = lib
 
-    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """weight * x / sqrt(mean(x^2) + eps) over the last dim of contiguous fp32 [T, H]."""
+    # The elementwise ops take contiguous fp32 (one thread: a decode step's few rows) or bf16
+    # (rounded where torch's bf16 ops round; rows split over `threads`: a bf16 prefill's
+    # thousands of rows), every tensor of a call in the same dtype.
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, threads: int = 1) -> Tensor:
+        """weight * x / sqrt(mean(x^2) + eps) over the last dim of contiguous [T, H]."""
         y = torch.empty_like(x)
-        self._rms(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+        args = (x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+        if x.dtype == torch.bfloat16:
+            self._rms_bf16(*args, threads)
+        else:
+            self._rms(*args)
         return y
 
-    def silu_mul(self, gate_up: Tensor) -> Tensor:
-        """silu(gate) * up of contiguous fp32 [T, 2I] (gate first): [T, I]."""
+    def silu_mul(self, gate_up: Tensor, threads: int = 1) -> Tensor:
+        """silu(gate) * up of contiguous [T, 2I] (gate first): [T, I]."""
         t, two_i = gate_up.shape
         y = gate_up.new_empty(t, two_i // 2)
-        self._silu(gate_up.data_ptr(), y.data_ptr(), t, two_i // 2)
+        if gate_up.dtype == torch.bfloat16:
+            self._silu_bf16(gate_up.data_ptr(), y.data_ptr(), t, two_i // 2, threads)
+        else:
+            self._silu(gate_up.data_ptr(), y.data_ptr(), t, two_i // 2)
         return y
 
-    def rope_(self, x: Tensor, heads: int, head_dim: int, cos: Tensor, sin: Tensor) -> None:
-        """Rotate-half RoPE in place on the first `heads` heads of each row of contiguous fp32
-        x [T, >= heads * head_dim]; cos, sin contiguous [T, head_dim]."""
-        self._rope(
-            x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(), sin.data_ptr()
-        )
+    def rope_(
+        self, x: Tensor, heads: int, head_dim: int, cos: Tensor, sin: Tensor, threads: int = 1
+    ) -> None:
+        """Rotate-half RoPE in place on the first `heads` heads of each row of contiguous
+        x [T, >= heads * head_dim]; cos, sin contiguous [T, head_dim]. bf16: head_dim / 2 a
+        whole number of lanes."""
+        args = (x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim)
+        if x.dtype == torch.bfloat16:
+            self._rope_bf16(*args, cos.data_ptr(), sin.data_ptr(), threads)
+        else:
+            self._rope(*args, cos.data_ptr(), sin.data_ptr())
 
     def decode_attention(
         self,
