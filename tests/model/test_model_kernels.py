@@ -22,6 +22,7 @@ from tailguard.model.batch import AttnGroup
 from tailguard.model.config import MistralConfig
 from tailguard.model.embedded import default_model_dir
 from tailguard.model.kernels import (
+    RowKernel,
     SmallMKernel,
     load_row_kernel,
     load_small_m_kernel,
@@ -237,6 +238,22 @@ def test_engine_greedy_tokens_identical_with_and_without_kernel(kernel: SmallMKe
     assert with_kernel == without
 
 
+def _row_kernel_or_skip() -> RowKernel:
+    kernel = load_row_kernel()
+    if kernel is None:
+        pytest.skip("the row kernels could not be built here (no C compiler?)")
+    return kernel
+
+
+# Three sequences (9, 2 and 21 prompt tokens) prefilled in one step, then two decode steps
+_PROMPTS = [[5, 9, 17, 3, 22, 8, 1, 40, 2], [40, 2], [7] * 21]
+PREFILL_THEN_TWO_DECODES = [
+    [[(i, p) for i, p in enumerate(_PROMPTS)]],
+    [[(i, [11 + i]) for i in range(3)]],
+    [[(i, [30 + i]) for i in range(3)]],
+]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 37])
 def test_decode_attention_kernel_matches_the_sdpa_path(window: int, dtype: torch.dtype) -> None:
@@ -245,9 +262,7 @@ def test_decode_attention_kernel_matches_the_sdpa_path(window: int, dtype: torch
     gather + SDPA path of `Attention.attend` with the engine's mask. bf16: the kernel reads the
     bf16 cache and rounds its output once; the reference is the fp32 path on the same bf16
     values, rounded to bf16, so the two may differ by one bf16 step."""
-    kernel = load_row_kernel()
-    if kernel is None:
-        pytest.skip("the row kernels could not be built here (no C compiler?)")
+    kernel = _row_kernel_or_skip()
     g = torch.Generator().manual_seed(3)
     nh, nkv, hd, bs, blocks = 8, 2, 32, 16, 120
     cfg = MistralConfig(
@@ -337,18 +352,13 @@ def test_engine_generates_the_same_tokens_with_the_decode_attention_kernel(
 def test_fused_forward_matches_the_torch_forward(tmp_path: Path) -> None:
     """RMSNorm, RoPE, silu(gate) * up and decode attention on the row kernels against the
     plain torch forward of the same checkpoint: a prefill, then two decode steps."""
-    kernel = load_row_kernel()
-    if kernel is None:
-        pytest.skip("the row kernels could not be built here (no C compiler?)")
+    kernel = _row_kernel_or_skip()
     folder = make_checkpoint(tmp_path / "ckpt")
     plain, _ = load_model(folder, dtype=torch.float32)
     fused, _ = load_model(folder, dtype=torch.float32)
     assert fused.use_row_kernel(kernel)
-    prompts = [[5, 9, 17, 3, 22, 8, 1, 40, 2], [40, 2], [7] * 21]
     caches = [PagedCache(m.config, num_blocks=80, block_size=4) for m in (plain, fused)]
-    steps = [[[(i, p) for i, p in enumerate(prompts)]], [[(i, [11 + i]) for i in range(3)]]]
-    steps.append([[(i, [30 + i]) for i in range(3)]])
-    for groups in steps:
+    for groups in PREFILL_THEN_TWO_DECODES:
         _, want, _ = caches[0].run(plain, groups)
         _, got, _ = caches[1].run(fused, groups)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -360,9 +370,7 @@ def test_bf16_decode_groups_attend_on_the_kernel_up_to_its_context_bound(
     """A bf16 model on the row kernels: decode groups whose context fits
     BF16_DECODE_KERNEL_MAX_CTX read the bf16 cache on the kernel, longer ones take SDPA; the
     outputs are as close to the fp32 forward as the plain bf16 forward's are."""
-    kernel = load_row_kernel()
-    if kernel is None:
-        pytest.skip("the row kernels could not be built here (no C compiler?)")
+    kernel = _row_kernel_or_skip()
     folder = make_checkpoint(tmp_path / "ckpt")
     exact, _ = load_model(folder, dtype=torch.float32)
     plain, _ = load_model(folder, dtype=torch.bfloat16)
@@ -373,11 +381,8 @@ def test_bf16_decode_groups_attend_on_the_kernel_up_to_its_context_bound(
     monkeypatch.setattr(
         kernel, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
-    prompts = [[5, 9, 17, 3, 22, 8, 1, 40, 2], [40, 2], [7] * 21]
     caches = [PagedCache(m.config, 80, 4, m.dtype) for m in (exact, plain, fused)]
-    steps = [[[(i, p) for i, p in enumerate(prompts)]], [[(i, [11 + i]) for i in range(3)]]]
-    steps.append([[(i, [30 + i]) for i in range(3)]])
-    for n, groups in enumerate(steps):
+    for n, groups in enumerate(PREFILL_THEN_TWO_DECODES):
         if n == 2:  # the last step's contexts (up to 24 tokens) past the bound: SDPA
             monkeypatch.setattr(mistral, "BF16_DECODE_KERNEL_MAX_CTX", 8)
             before = len(calls)
@@ -503,9 +508,7 @@ def test_bf16_elementwise_kernels_round_where_torch_rounds() -> None:
     """RMSNorm, silu(gate) * up and RoPE on bf16 rows against the model's torch ops in bf16:
     the same rounding points, so equal but for the last bit where fp32 sums (the mean, exp)
     are taken in another order; over 1 and 2 threads, 1 and 40 rows."""
-    kernel = load_row_kernel()
-    if kernel is None:
-        pytest.skip("the row kernels could not be built here (no C compiler?)")
+    kernel = _row_kernel_or_skip()
     g = torch.Generator().manual_seed(5)
     bf = torch.bfloat16
     one_step = 2**-7  # the bf16 step at 1.0

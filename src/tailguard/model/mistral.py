@@ -204,6 +204,7 @@ class Attention(nn.Module):
         self.window = config.sliding_window or 0
         # decode groups on our own kernel (model/kernels/rows.c) where set: CPU fp32 or bf16
         self.fused: RowKernel | None = None
+        self.fused_rope: RowKernel | None = None  # RoPE on it (bf16: half of hd whole lanes)
 
     def forward(
         self,
@@ -217,10 +218,10 @@ class Attention(nn.Module):
         n_tok = x.shape[0]
         qkv = self.wqkv(x)
         kernel = self.fused
-        if kernel is not None and qkv.is_contiguous() and self._rope_fits(kernel, qkv):
-            # q and k rotated in place, one pass
+        rope = self.fused_rope
+        if rope is not None and qkv.is_contiguous():  # q and k rotated in place, one pass
             threads = torch.get_num_threads()
-            kernel.rope_(qkv, self.n_head + self.n_kv, self.head_dim, cos[:, 0], sin[:, 0], threads)
+            rope.rope_(qkv, self.n_head + self.n_kv, self.head_dim, cos[:, 0], sin[:, 0], threads)
             q, k, v = qkv.split(self.split, dim=-1)
             q = q.view(n_tok, self.n_head, self.head_dim)  # [T, nh, hd], rows strided
             k = k.view(n_tok, self.n_kv, self.head_dim)
@@ -254,9 +255,6 @@ class Attention(nn.Module):
                 q_ext = torch.cat((q, q.new_zeros(1, self.n_head, self.head_dim)))
             self.attend(q_ext, group, mask, k_cache, v_cache, out)
         return self.wo(out[:n_tok])  # [T, H]
-
-    def _rope_fits(self, kernel: RowKernel, qkv: Tensor) -> bool:
-        return qkv.dtype == torch.float32 or self.head_dim // 2 % kernel.lanes == 0
 
     def attend(
         self,
@@ -405,10 +403,13 @@ class MistralModel(nn.Module):
             and c.num_attention_heads // c.num_key_value_heads <= MAX_REP
         )
         use = self.row_kernel = kernel if ok else None
+        half_fits = use is not None and c.head_dim // 2 % use.lanes == 0
+        rope = use if self.dtype == torch.float32 or half_fits else None
         self.norm.fused = use
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.attn.fused = use
+            layer.attn.fused_rope = rope
             layer.attn_norm.fused = use
             layer.ffn_norm.fused = use
             layer.mlp.fused = use

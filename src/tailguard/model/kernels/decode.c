@@ -38,7 +38,8 @@ static long max3(long a, long b, long c) { return a > b ? (a > c ? a : c) : (b >
 long tg_decode_scratch(const struct tg_dims *d, long T, long max_ctx, int nthreads) {
     long nq = d->nh * d->hd, nqkv = (d->nh + 2 * d->nkv) * d->hd;
     long xt = T > MB_MAX ? T * max3(d->H, nq, d->I) : 0;
-    return T * (2 * d->H + nqkv + nq + 3 * d->I) + xt + (long)nthreads * (d->nh / d->nkv) * (max_ctx + 1);
+    long scores = (long)nthreads * (d->nh / d->nkv) * (max_ctx + 1); /* per thread: rep heads */
+    return T * (2 * d->H + nqkv + nq + 3 * d->I) + xt + scores;
 }
 
 static void add_row(float *x, const float *y, long H) {

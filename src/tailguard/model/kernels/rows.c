@@ -155,11 +155,16 @@ static inline vf load_bf16(const uint16_t *p) {
     return (vf)(__builtin_convertvector(*(const vhu *)p, vu) << 16);
 }
 
-static inline void store_bf16(uint16_t *p, vf v) {
+/* fp32 rounded to the nearest bf16, as an fp32 (its low half zero); NaN -> the quiet NaN. */
+static inline vf rne(vf v) {
     vu b = (vu)v;
-    vu r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-    r = (vu)(((vi)(v != v) & (vi)((vu){} + 0x7FC0u)) | (~(vi)(v != v) & (vi)r));
-    *(vhu *)p = __builtin_convertvector(r, vh);
+    vu r = ((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16) << 16;
+    vi nan = v != v;
+    return (vf)((nan & (vi)((vu){} + 0x7FC00000u)) | (~nan & (vi)r));
+}
+
+static inline void store_bf16(uint16_t *p, vf v) {
+    *(vhu *)p = __builtin_convertvector((vu)rne(v) >> 16, vh);
 }
 
 /* VL elements at p + i as fp32: the element type is a constant at every call site. */
@@ -243,15 +248,6 @@ static void attend_kv_head(const float *q, long q_ld, long qrow, const float *k_
                      window, out, out_ld, p, 0);
 }
 
-static void attend_kv_head_bf16(const uint16_t *q, long q_ld, long qrow,
-                                const uint16_t *k_cache, const uint16_t *v_cache,
-                                const long *table, long n, long bs, long nkv, long hd, long rep,
-                                long g, float scale, long window, uint16_t *out, long out_ld,
-                                float *p) {
-    attend_kv_head_t(q, q_ld, qrow, k_cache, v_cache, table, n, bs, nkv, hd, rep, g, scale,
-                     window, out, out_ld, p, 1);
-}
-
 /* tg_decode_attention, on fp32 or (bf16) bf16 tensors. */
 static int decode_attention(const void *q, long q_ld, const long *q_rows, long nseq,
                             long pad_row, const void *k_cache, const void *v_cache,
@@ -262,7 +258,8 @@ static int decode_attention(const void *q, long q_ld, const long *q_rows, long n
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && nseq * nkv > 1)
     {
-        float *p = malloc((size_t)(nh / nkv) * (size_t)(max_ctx > 0 ? max_ctx : 1) * sizeof(float));
+        size_t len = (size_t)(nh / nkv) * (size_t)(max_ctx > 0 ? max_ctx : 1);
+        float *p = malloc(len * sizeof(float));
         if (!p) {
 #pragma omp atomic write
             failed = 1;
@@ -272,9 +269,9 @@ static int decode_attention(const void *q, long q_ld, const long *q_rows, long n
             for (long g = 0; g < nkv; g++) {
                 if (!p || q_rows[s] >= pad_row) continue;
                 if (bf16)
-                    attend_kv_head_bf16(q, q_ld, q_rows[s], k_cache, v_cache,
-                                        tables + s * tbl_ld, ctx_lens[s], bs, nkv, hd, nh / nkv,
-                                        g, scale, window, out, out_ld, p);
+                    attend_kv_head_t(q, q_ld, q_rows[s], k_cache, v_cache, tables + s * tbl_ld,
+                                     ctx_lens[s], bs, nkv, hd, nh / nkv, g, scale, window, out,
+                                     out_ld, p, 1);
                 else
                     attend_kv_head(q, q_ld, q_rows[s], k_cache, v_cache, tables + s * tbl_ld,
                                    ctx_lens[s], bs, nkv, hd, nh / nkv, g, scale, window, out,
@@ -291,7 +288,8 @@ static int decode_attention(const void *q, long q_ld, const long *q_rows, long n
  * table row s of `tables` [nseq, tbl_ld]; the result goes to out[q_rows[s] * out_ld + h * hd].
  * q rows are [nh, hd] at q + q_rows[s] * q_ld. window 0: no window. Scratch for the scores is
  * allocated per thread (nh / nkv * max_ctx floats). Returns 0, -1 when nh / nkv > REP_MAX,
- * or -2 without memory. hd % VL must be 0. fp32 q, caches and out; tg_decode_attention_bf16: all four bf16 (uint16). */
+ * or -2 without memory. hd % VL must be 0. fp32 q, caches and out; tg_decode_attention_bf16:
+ * all four bf16 (uint16). */
 int tg_decode_attention(const float *q, long q_ld, const long *q_rows, long nseq, long pad_row,
                         const float *k_cache, const float *v_cache, const long *tables,
                         long tbl_ld, const long *ctx_lens, long max_ctx, long bs, long nh,
@@ -375,11 +373,6 @@ void tg_rope(float *x, long ld, long T, long heads, long hd, const float *cos_t,
  * weight (rounded again); silu(gate) rounds, then the product with up rounds; RoPE rounds each
  * product and then their sum. Sums run in fp32. Rows are split over OpenMP threads (a prefill
  * step has thousands); H, I and hd % VL == 0. */
-static inline vf rne(vf v) { /* fp32 rounded to the nearest bf16, as an fp32 */
-    vu b = (vu)v;
-    vu r = ((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16) << 16;
-    return (vf)(((vi)(v != v) & (vi)v) | (~(vi)(v != v) & (vi)r));
-}
 
 void tg_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, long T, long H,
                       float eps, int nthreads) {
