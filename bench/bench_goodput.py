@@ -13,8 +13,16 @@ streamed generations with the deadline on the first token):
    makespan <= 1.15x the oracle makespan (N / oracle goodput), >= 99% within the SLA, retries
    <= 2% of N, 0 lost, 0 duplicated.
 
-Every prompt is different (8-60 words), so the degradation cache never answers. The load client
-runs on the same machine, as it did for the oracle: its CPU is part of the budget of both.
+The clients are bench/lean_http.py: at 4x the infer oracle it takes ~90 us of client CPU a
+request (0.26 of a core at 2,888/s, JSON bodies and tasks included) where aiohttp took ~190 us
+(0.48 at 2,549/s) and lagged its own sends by 35-80 ms at p99 (the server's TTFT was in time
+where the client's was not). Every prompt is different (8-60 words), so the degradation
+cache never answers. Each request propagates its deadline as `X-Request-Timeout-Ms`: the SLA
+less the client's own send lag, as a client that holds a deadline does (`tailguard load
+--deadline`); `--no-deadline-header` turns it off and `--baseline-no-deadline-header` runs the
+baseline server without it, level by level.
+The load client runs on the same machine, as it did for the oracle: its CPU is part of the
+budget of both.
 The last lines are the ratios.
 
     .venv/bin/python bench/bench_goodput.py                  # the embedded model, ~8 minutes
@@ -33,6 +41,7 @@ import random
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +50,7 @@ from typing import Any
 import aiohttp
 
 from bench_batch import _run, run_tailguard
+from lean_http import LeanSession
 from tailguard.tools.batch.report import percentile
 from tailguard.tools.lab.procs import free_port, serving
 from tailguard.tools.load.server_metrics import HistogramSnapshot, parse_histogram
@@ -50,7 +60,6 @@ WORDS = (  # noqa: SIM905 (a sentence reads better than 41 quoted words)
     "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone "
     "cloud forest ember harbor lantern meadow orbit prism quartz summit thunder valley willow"
 ).split()
-HEADERS = {"Content-Type": "application/json"}
 REFUSED = (429, 503)
 
 
@@ -100,28 +109,25 @@ class Sample:
 
 
 async def _send(
-    s: aiohttp.ClientSession, url: str, body: bytes, stream: bool, t0: float, out: list[Sample]
+    s: LeanSession,
+    path: str,
+    body: bytes,
+    stream: bool,
+    t0: float,
+    out: list[Sample],
+    deadline_s: float | None,
 ) -> None:
     lag = time.monotonic() - t0
+    headers = None
+    if deadline_s is not None:  # the budget left after the client's own lag, at least 1 ms
+        headers = {"X-Request-Timeout-Ms": f"{max(1.0, (deadline_s - lag) * 1e3):.0f}"}
     try:
-        async with s.post(url, data=body, headers=HEADERS) as r:
-            if stream and r.status == 200:
-                await r.content.readany()
-                t_event = time.monotonic()
-                await r.read()
-            else:
-                await r.read()
-                t_event = time.monotonic()
-            out.append(Sample(r.status, t_event - t0, t_event, lag))
-    except (aiohttp.ClientError, TimeoutError, OSError):
+        status, first, end = await s.post(path, body, headers)
+        t_event = first if stream and status == 200 else end
+        out.append(Sample(status, t_event - t0, t_event, lag))
+    except (TimeoutError, OSError):
         t = time.monotonic()
         out.append(Sample(0, t - t0, t, lag))
-
-
-def _session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)
-    )
 
 
 def pct(values: list[float], q: float) -> float:
@@ -212,12 +218,12 @@ async def closed_loop(
     window = (start + warm_s, start + warm_s + seconds)
     counter = iter(range(seed * 10**6, 10**12))
 
-    async def worker(s: aiohttp.ClientSession) -> None:
+    async def worker(s: LeanSession) -> None:
         while (t0 := time.monotonic()) < window[1]:
             body = json.dumps(w.body(rng, next(counter))).encode()
-            await _send(s, base + w.path, body, w.stream, t0, samples)
+            await _send(s, w.path, body, w.stream, t0, samples, None)
 
-    async with _session() as s:
+    async with LeanSession(base) as s:
         await asyncio.gather(*(worker(s) for _ in range(conc)))
     inside = [x for x in samples if window[0] <= x.done_s <= window[1]]
     ok = [x.latency_s for x in inside if x.status == 200]
@@ -293,6 +299,7 @@ class OpenLevel:
     intake_p99_s: float = math.nan  # server: socket read -> parsed, p99 (a bucket bound)
     loop_lag_p99_s: float = math.nan  # server: HTTP event-loop lag, p99 (a bucket bound)
     engine: EngineWindow = field(default_factory=EngineWindow)
+    error_statuses: dict[int, int] = field(default_factory=dict)  # 0: no HTTP answer
 
     @property
     def goodput_share(self) -> float:
@@ -308,13 +315,13 @@ class OpenLevel:
 
 
 async def open_loop(
-    base: str, w: Workload, rate: float, seconds: float, sla_s: float, seed: int
+    base: str, w: Workload, rate: float, seconds: float, sla_s: float, seed: int, propagate: bool
 ) -> OpenLevel:
     rng = random.Random(seed)
     samples: list[Sample] = []
     tasks: list[asyncio.Task[None]] = []
     n = max(1, int(rate * seconds))
-    async with _session() as s:
+    async with LeanSession(base) as s:
         t = start = time.monotonic()
         for i in range(n):
             t += rng.expovariate(rate)
@@ -322,7 +329,10 @@ async def open_loop(
             if delay > 0:
                 await asyncio.sleep(delay)
             body = json.dumps(w.body(rng, i)).encode()
-            tasks.append(asyncio.create_task(_send(s, base + w.path, body, w.stream, t, samples)))
+            deadline = sla_s if propagate else None
+            tasks.append(
+                asyncio.create_task(_send(s, w.path, body, w.stream, t, samples, deadline))
+            )
         await asyncio.gather(*tasks)
     span = max(seconds, t - start)
     ok = [x.latency_s for x in samples if x.status == 200]
@@ -340,6 +350,9 @@ async def open_loop(
         admitted_p99_ms=pct(ok, 99) * 1e3,
         refusal_p99_ms=pct(refused, 99) * 1e3,
         send_lag_p99_ms=pct([x.send_lag_s for x in samples], 99) * 1e3,
+        error_statuses=dict(
+            Counter(x.status for x in samples if x.status != 200 and x.status not in REFUSED)
+        ),
     )
 
 
@@ -363,13 +376,13 @@ def ratio_quantiles(
 
 
 async def measured_level(
-    base: str, w: Workload, rate: float, seconds: float, sla_s: float, seed: int
+    base: str, w: Workload, rate: float, seconds: float, sla_s: float, seed: int, propagate: bool
 ) -> OpenLevel:
     """`open_loop`, with the server's histograms, CPU and engine steps scraped around it."""
     url = base + "/metrics"
     names = (PREDICTION_RATIO, SERVER_TTFT, ENGINE_STEP, BATCH_SIZE, INTAKE_WAIT, LOOP_LAG)
     a = await scrape(url, names)
-    lv = await open_loop(base, w, rate, seconds, sla_s, seed)
+    lv = await open_loop(base, w, rate, seconds, sla_s, seed, propagate)
     b = await scrape(url, names)
     first, last = a.hist, b.hist
     lv.engine = EngineWindow.between(a, b)
@@ -452,6 +465,17 @@ def main() -> int:
         help="skip the sweep and take these oracle rates (e.g. infer=89.5,complete1=80.8): "
         "for quick experiments; a reported run measures them",
     )
+    ap.add_argument(
+        "--no-deadline-header",
+        action="store_true",
+        help="clients send no X-Request-Timeout-Ms (the server then counts the SLA from arrival)",
+    )
+    ap.add_argument(
+        "--baseline-no-deadline-header",
+        action="store_true",
+        help="a baseline server (same flags unless --baseline-arg) whose clients send no "
+        "deadline header: an A/B of deadline propagation",
+    )
     ap.add_argument("--json", type=Path, help="also write every figure here")
     a = ap.parse_args()
     if a.quick:
@@ -492,13 +516,27 @@ def main() -> int:
             print(f"    oracle goodput {oracles[w.name]:.1f}/s", flush=True)
             time.sleep(a.gap_s)
 
-    ab = bool(a.baseline_arg or a.baseline_src)
+    ab = bool(a.baseline_arg or a.baseline_src or a.baseline_no_deadline_header)
+    propagate = {
+        "admission": not a.no_deadline_header,
+        "baseline": not (a.no_deadline_header or a.baseline_no_deadline_header),
+    }
     variants = {"admission": []} | ({"baseline": a.baseline_arg} if ab else {})
     results: dict[str, dict[str, list[OpenLevel]]] = {v: {} for v in variants}
     batches: dict[str, Any] = {}
-    print(f"2. default admission, open loop, {a.level_s:g} s per level", flush=True)
+    print(
+        f"2. default admission, open loop, {a.level_s:g} s per level, deadline header "
+        f"{'off' if a.no_deadline_header else 'on'}",
+        flush=True,
+    )
     if ab:
-        what = " ".join([*a.baseline_arg, *([f"src {a.baseline_src}"] if a.baseline_src else [])])
+        what = " ".join(
+            [
+                *a.baseline_arg,
+                *([f"src {a.baseline_src}"] if a.baseline_src else []),
+                *(["no deadline header"] if a.baseline_no_deadline_header else []),
+            ]
+        )
         print(f"   baseline: admission with {what}, level by level beside it")
     with contextlib.ExitStack() as stack:
         bases = {}
@@ -509,7 +547,9 @@ def main() -> int:
             for f in factors:
                 rate = max(1.0, f * oracles[w.name])
                 for v, base in bases.items():
-                    lv = _run(measured_level(base, w, rate, a.level_s, sla_s, int(f * 100)))
+                    lv = _run(
+                        measured_level(base, w, rate, a.level_s, sla_s, int(f * 100), propagate[v])
+                    )
                     lv.factor = f
                     lv.target_goodput = min(lv.offered, oracles[w.name])
                     results[v].setdefault(w.name, []).append(lv)
@@ -519,6 +559,7 @@ def main() -> int:
                         f"p50 {lv.ratio_p50:g} p90 {lv.ratio_p90:g} p99 {lv.ratio_p99:g}"
                         + (f", server TTFT in time {lv.server_in_time:.2%}" * w.stream)
                         + f", client send lag p99 {lv.send_lag_p99_ms:.1f} ms"
+                        + (f", errors by status {lv.error_statuses}" * bool(lv.errors))
                         + f", server intake p99 <= {lv.intake_p99_s * 1e3:g} ms, loop lag p99"
                         f" <= {lv.loop_lag_p99_s * 1e3:g} ms" + f", {lv.engine}",
                         flush=True,

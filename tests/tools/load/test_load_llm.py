@@ -7,9 +7,13 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
+
 from tailguard.cli import main
-from tailguard.tools.load.config import LoadConfig, Profile, SourceSpec
-from tailguard.tools.load.runner import run_load
+from tailguard.errors import ConfigError
+from tailguard.tools.load.config import LoadConfig, Profile, SourceSpec, parse_sla
+from tailguard.tools.load.records import RequestRecord
+from tailguard.tools.load.runner import DEADLINE_HEADER, _Sender, run_load
 from tailguard.tools.load.sources import BodySource
 
 LENIENT = ["--max-send-lag", "1s", "--max-loop-lag", "1s", "--max-cpu", "8"]
@@ -234,3 +238,38 @@ def test_random_token_ids_come_from_the_servers_vocabulary(
     src = result["config"]["source"]
     assert src["server_vocab"] == 259 and src["token_ids"] == [3, 259]
     assert "the server's vocabulary" in result["config"]["source_text"]
+
+
+def test_deadline_propagation_sends_the_budget_left_after_the_clients_own_lag() -> None:
+    """`--deadline auto` takes the SLO term the server's deadline stands for; a late send
+    propagates less of it, and a send already past it still carries a positive 1 ms."""
+    prof = Profile("constant", rate=10, duration_s=1)
+    stream = LoadConfig("http://x", prof, endpoint="completions", stream=True,
+                        sla=(parse_sla("ttft<=150ms"), parse_sla("e2e<=2s")))  # fmt: skip
+    assert stream.deadline_s() == 0.15  # a stream's deadline event is its first token
+    plain = LoadConfig("http://x", prof, sla=(parse_sla("p99<=150ms"),))
+    assert plain.deadline_s() == 0.15  # the goodput bound
+    assert LoadConfig("http://x", prof).deadline_s() is None  # no SLA: nothing to propagate
+    assert LoadConfig("http://x", prof, deadline="off", sla=plain.sla).deadline_s() is None
+    sender = _Sender(plain, None, None, None)  # type: ignore[arg-type]
+    late = RequestRecord(0, intended_s=1.0, sent_s=1.04)
+    assert sender._headers(late)[DEADLINE_HEADER] == "110"
+    early = RequestRecord(1, intended_s=1.0, sent_s=0.9995)  # a timer that fired early
+    assert sender._headers(early)[DEADLINE_HEADER] == "150"
+    gone = RequestRecord(2, intended_s=1.0, sent_s=1.3)
+    assert sender._headers(gone)[DEADLINE_HEADER] == "1"
+    with pytest.raises(ConfigError, match="--deadline"):
+        LoadConfig("http://x", prof, deadline=0.0)
+
+
+def test_the_server_plans_against_the_propagated_deadline(simulated_server) -> None:
+    """Over real sockets: the same requests are answered with the SLA's budget and refused at
+    once when the client says 1 ms of it is left."""
+    srv = simulated_server()
+    prof = Profile("constant", rate=20, duration_s=0.5)
+    sla = (parse_sla("p99<=150ms"),)
+    ok = asyncio.run(run_load(LoadConfig(srv.url, prof, sla=sla)))
+    assert ok.summary.ok == ok.summary.total == 10, ok.summary.errors_by_kind
+    gone = asyncio.run(run_load(LoadConfig(srv.url, prof, sla=sla, deadline=0.001)))
+    assert gone.summary.ok == 0 and gone.summary.total == 10
+    assert set(gone.summary.errors_by_kind) <= {"http 503", "http 504"}, gone.summary

@@ -122,6 +122,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of requests an SLO term (ttft, tpot, itl, e2e) must hold for (default 99%%)",
     )
     s.add_argument("--timeout", default="30s", help="per request (default 30s)")
+    s.add_argument(
+        "--deadline",
+        default="auto",
+        help="propagate each request's remaining budget as X-Request-Timeout-Ms (the budget "
+        "less the client's own send lag): auto (the ttft term of a stream, else the e2e term "
+        "or goodput bound), off, or a duration such as 150ms",
+    )
     s.add_argument("--metrics-url", help="server /metrics to scrape before and after")
     s.add_argument(
         "--report", type=Path, metavar="DIR", help="write result.json, requests.jsonl, report.html"
@@ -208,6 +215,11 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         headers=tuple(headers),
         source=source,
         slo_attainment=_share(args.slo_attainment, "--slo-attainment"),
+        deadline=(
+            args.deadline
+            if args.deadline in ("auto", "off")
+            else parse_duration(args.deadline, what="--deadline")
+        ),
         **extra,
     )
 

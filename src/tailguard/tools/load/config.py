@@ -380,6 +380,9 @@ class LoadConfig:
     slo_attainment: float = 0.99  # share of requests a per-request SLO term must hold for
     body_offset: int = 0  # first body index (a sweep's steps continue where the last ended)
     reject_backoff_s: float = 0.0  # closed-loop: wait out a refusal's Retry-After, at most this
+    # Deadline propagation: "auto" (the SLO term the server's deadline stands for), "off", or
+    # seconds. Each request carries X-Request-Timeout-Ms = this budget less its own send lag.
+    deadline: float | Literal["auto", "off"] = "auto"
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -420,6 +423,8 @@ class LoadConfig:
                 "--random-input-len builds bodies for an endpoint; use --endpoint completions, "
                 "chat, infer or embeddings"
             )
+        if isinstance(self.deadline, float) and not self.deadline > 0:
+            raise ConfigError(f"--deadline must be > 0 (or auto, off), got {self.deadline}")
         generating = self.endpoint in ("completions", "chat")
         if src.output_len is not None and not generating and src.kind != "dataset":
             raise ConfigError(
@@ -438,6 +443,21 @@ class LoadConfig:
     def slo_terms(self) -> tuple[SlaCheck, ...]:
         """The per-request SLO terms (ttft, tpot, itl, e2e) every good request meets."""
         return tuple(s for s in self.sla if s.per_request)
+
+    def deadline_s(self) -> float | None:
+        """The budget each request propagates to the server, or None (no header).
+
+        `auto`: the SLO term matching the server's deadline event, which is the first token of a
+        stream (ttft) and the whole answer otherwise (e2e, else the goodput bound)."""
+        if self.deadline == "off":
+            return None
+        if not isinstance(self.deadline, str):
+            return self.deadline
+        want = "ttft" if self.stream else "e2e"
+        terms = [s.threshold for s in self.sla if s.metric == want]
+        if terms:
+            return min(terms)
+        return None if self.stream else self.goodput_bound_s()
 
     def goodput_bound_s(self) -> float | None:
         """Latency bound for goodput: explicit, else the tightest latency term of the SLA."""

@@ -34,6 +34,7 @@ from tailguard.tools.load.server_metrics import scrape
 from tailguard.tools.load.sources import BodySource
 
 PREPARE_MAX = 200_000  # bodies built before the clock starts; later ones are built on demand
+DEADLINE_HEADER = "X-Request-Timeout-Ms"  # the budget left, in ms, when the request is sent
 _USAGE_PATHS = (b"/v1/completions", b"/v1/chat/completions")
 
 __all__ = ["Progress", "raise_nofile_limit", "run_load"]
@@ -190,6 +191,16 @@ class _Sender:
         self.cfg, self.session, self.st, self.source = cfg, session, st, source
         self.headers = {"Content-Type": "application/json", **dict(cfg.headers)}
         self.timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+        self.deadline_s = cfg.deadline_s()
+
+    def _headers(self, rec: RequestRecord) -> dict[str, str]:
+        """The request's headers; with deadline propagation, the budget left after the client's
+        own lag (an open loop that sends late has less of it; at least 1 ms: the server then
+        refuses at once, which is what a request already past its deadline should get)."""
+        if self.deadline_s is None:
+            return self.headers
+        left = self.deadline_s - max(0.0, rec.sent_s - rec.intended_s)
+        return self.headers | {DEADLINE_HEADER: f"{max(1.0, left * 1e3):.0f}"}
 
     async def send(self, rec: RequestRecord) -> None:
         st, cfg = self.st, self.cfg
@@ -202,7 +213,7 @@ class _Sender:
             async with self.session.post(
                 body.url,
                 data=body.data,
-                headers=self.headers,
+                headers=self._headers(rec),
                 timeout=self.timeout,
                 trace_request_ctx=rec,
             ) as resp:
