@@ -17,7 +17,6 @@ from tests.model.model_testkit import PagedCache, make_checkpoint
 from tailguard.core.request import EngineRequest, SamplingParams
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.core import EngineCore
-from tailguard.model import mistral
 from tailguard.model.batch import AttnGroup
 from tailguard.model.config import MistralConfig
 from tailguard.model.embedded import default_model_dir
@@ -256,15 +255,22 @@ PREFILL_THEN_TWO_DECODES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 37])
-def test_decode_attention_kernel_matches_the_sdpa_path(window: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    "shape",
+    [(8, 2, 32), (8, 2, 64), (8, 2, 128), (6, 2, 64)],
+    ids=["generic", "rep4-hd64", "rep4-hd128", "rep3"],  # rows.c specialises rep 4, hd 64 / 128
+)
+def test_decode_attention_kernel_matches_the_sdpa_path(
+    window: int, dtype: torch.dtype, shape: tuple[int, int, int]
+) -> None:
     """One decode group read straight from a paged cache (blocks scattered, contexts 1-300,
-    GQA 8 query / 2 KV heads, two padding rows, optionally a sliding window) against the
+    GQA query / KV heads, two padding rows, optionally a sliding window) against the
     gather + SDPA path of `Attention.attend` with the engine's mask. bf16: the kernel reads the
     bf16 cache and rounds its output once; the reference is the fp32 path on the same bf16
     values, rounded to bf16, so the two may differ by one bf16 step."""
     kernel = _row_kernel_or_skip()
     g = torch.Generator().manual_seed(3)
-    nh, nkv, hd, bs, blocks = 8, 2, 32, 16, 120
+    (nh, nkv, hd), bs, blocks = shape, 16, 120
     cfg = MistralConfig(
         vocab_size=64, hidden_size=nh * hd, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd,
@@ -364,12 +370,11 @@ def test_fused_forward_matches_the_torch_forward(tmp_path: Path) -> None:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_bf16_decode_groups_attend_on_the_kernel_up_to_its_context_bound(
+def test_bf16_decode_groups_attend_on_the_kernel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bf16 model on the row kernels: decode groups whose context fits
-    BF16_DECODE_KERNEL_MAX_CTX read the bf16 cache on the kernel, longer ones take SDPA; the
-    outputs are as close to the fp32 forward as the plain bf16 forward's are."""
+    """A bf16 model on the row kernels: every decode group reads the bf16 cache on the kernel,
+    and the outputs are as close to the fp32 forward as the plain bf16 forward's are."""
     kernel = _row_kernel_or_skip()
     folder = make_checkpoint(tmp_path / "ckpt")
     exact, _ = load_model(folder, dtype=torch.float32)
@@ -383,9 +388,6 @@ def test_bf16_decode_groups_attend_on_the_kernel_up_to_its_context_bound(
     )
     caches = [PagedCache(m.config, 80, 4, m.dtype) for m in (exact, plain, fused)]
     for n, groups in enumerate(PREFILL_THEN_TWO_DECODES):
-        if n == 2:  # the last step's contexts (up to 24 tokens) past the bound: SDPA
-            monkeypatch.setattr(mistral, "BF16_DECODE_KERNEL_MAX_CTX", 8)
-            before = len(calls)
         _, ref, _ = caches[0].run(exact, groups)
         _, want, _ = caches[1].run(plain, groups)
         _, got, _ = caches[2].run(fused, groups)
@@ -394,7 +396,7 @@ def test_bf16_decode_groups_attend_on_the_kernel_up_to_its_context_bound(
         assert kernel_err <= 1.5 * torch_err + 1e-3, (n, kernel_err, torch_err)
         if n == 1:
             assert len(calls) == fused.config.num_hidden_layers  # one group, every layer
-    assert len(calls) == before, "past the bound, decode groups go to SDPA"
+    assert len(calls) == 2 * fused.config.num_hidden_layers  # both decode steps
 
 
 def _stack_or_skip() -> DecodeStack:

@@ -25,7 +25,7 @@ from tailguard.model.batch import AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
 from tailguard.model.kernels import DecodeStack, RowKernel, SmallMKernel
 from tailguard.model.kernels.decode import LayerRefs, StackDims
-from tailguard.model.kernels.rows import MAX_REP
+from tailguard.model.kernels.rows import MAX_BF16_HEAD_DIM, MAX_REP
 
 __all__ = [
     "CAUSAL",
@@ -99,13 +99,6 @@ def attention_mask(
     visible |= pad & (k_pos == 0)
     mask = torch.zeros(visible.shape, dtype=dtype, device=device)
     return mask.masked_fill_(~visible, float("-inf"))[:, None]  # broadcast over heads
-
-
-# Longest context (the group's padded block-table width, in tokens) a bf16 decode group reads
-# on the row kernel; longer ones gather and run SDPA, whose bf16 attention (AMX on the session-25
-# Xeon) overtakes the kernel's: 246M model, 32 sequences, decode step 0.90x SDPA's time at
-# 64-80 tokens of context, equal at 192-320, 1.13x at 512 (docs/benchmarks.md, issue 12).
-BF16_DECODE_KERNEL_MAX_CTX = 192
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -372,12 +365,12 @@ class MistralModel(nn.Module):
 
     def _group_mask(self, group: AttnGroup, x: Tensor, block_size: int) -> Mask:
         """How a group attends in every layer of this step: None for a decode group on the row
-        kernel (bf16: up to BF16_DECODE_KERNEL_MAX_CTX tokens of context), CAUSAL for first
-        chunks on CPU (SDPA's causal flag skips the hidden half), else the additive mask."""
+        kernel (fp32 or bf16, any context: it reads the paged cache in place, 0.5-0.6x the time
+        of gathering and SDPA at 512-1,024 tokens in bf16), CAUSAL for first chunks on CPU
+        (SDPA's causal flag skips the hidden half), else the additive mask."""
         q_len = group.token_index.shape[1]
         kv_len = group.block_tables.shape[1] * block_size
-        short = x.dtype != torch.bfloat16 or kv_len <= BF16_DECODE_KERNEL_MAX_CTX
-        if self.row_kernel is not None and q_len == 1 and short:
+        if self.row_kernel is not None and q_len == 1:
             return None
         window = self.config.sliding_window
         if (
@@ -401,6 +394,7 @@ class MistralModel(nn.Module):
             and self.device.type == "cpu"
             and all(n % kernel.lanes == 0 for n in (c.head_dim, c.hidden_size, c.intermediate_size))
             and c.num_attention_heads // c.num_key_value_heads <= MAX_REP
+            and (self.dtype != torch.bfloat16 or c.head_dim <= MAX_BF16_HEAD_DIM)
         )
         use = self.row_kernel = kernel if ok else None
         half_fits = use is not None and c.head_dim // 2 % use.lanes == 0

@@ -16,12 +16,14 @@
  * relative error ~1e-7 on the range used), written with GCC vector extensions like gemv.c,
  * so it runs VL lanes at a time on whatever `-march=native` offers, without libm.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #define BLOCK 256
 #define REP_MAX 16 /* query heads per KV head the decode attention takes (nh / nkv) */
+#define HD_MAX 256 /* head_dim the bf16 decode attention takes (its fp32 copy of the queries) */
 
 #if defined(__AVX512F__)
 #define VBYTES 64
@@ -139,10 +141,20 @@ void tg_sample_rows(const float *x, long ld, const long *rows, long nrows, long 
 
 /* ---- decode attention: one query row per sequence, read straight from the paged cache ---- */
 
+/* The sum of v's lanes, as a tree (a serial sum of 16 lanes is 15 dependent adds: it was the
+ * decode attention's bottleneck, one per key and query head). */
 static inline float vsum(vf v) {
+#if VBYTES == 64
+    return _mm512_reduce_add_ps((__m512)v);
+#elif VBYTES == 32
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
     float s = 0.0f;
     for (int k = 0; k < VL; k++) s += v[k];
     return s;
+#endif
 }
 
 /* bf16 <-> fp32, VL lanes: bf16 is the top half of an fp32; rounding to nearest even with NaN
@@ -195,20 +207,32 @@ ALWAYS_INLINE void attend_kv_head_t(const void *q, long q_ld, long qrow, const v
     long row = nkv * hd; /* elements per cached token */
     long lo = window > 0 && n > window ? n - window : 0, len = n - lo;
     long q0 = qrow * q_ld + g * rep * hd; /* the group's first head */
+    /* the rep query rows as fp32: bf16 ones converted once here, not once per key */
+    float qbuf[bf16 ? REP_MAX * HD_MAX : 1];
+    const float *qf = (const float *)q + q0;
+    if (bf16) {
+        for (long i = 0; i < rep * hd; i += VL) *(vfu *)(qbuf + i) = load_at(q, q0 + i, 1);
+        qf = qbuf;
+    }
     float m[REP_MAX];
     for (long r = 0; r < rep; r++) m[r] = -INFINITY;
-    for (long j = lo; j < n; j++) {
-        long kj = (table[j / bs] * bs + j % bs) * row + g * hd;
-        vf acc[REP_MAX];
-        for (long r = 0; r < rep; r++) acc[r] = (vf){};
-        for (long d = 0; d < hd; d += VL) {
-            vf k = load_at(k_cache, kj + d, bf16);
-            for (long r = 0; r < rep; r++) acc[r] += load_at(q, q0 + r * hd + d, bf16) * k;
-        }
-        for (long r = 0; r < rep; r++) {
-            float sc = vsum(acc[r]) * scale;
-            p[r * len + j - lo] = sc;
-            m[r] = sc > m[r] ? sc : m[r];
+    /* positions block by block: the cache offset of position j is base + j * row */
+    for (long j = lo; j < n;) {
+        long blk = j / bs, stop = (blk + 1) * bs < n ? (blk + 1) * bs : n;
+        long base = (table[blk] - blk) * bs * row + g * hd;
+        for (; j < stop; j++) {
+            long kj = base + j * row;
+            vf acc[REP_MAX];
+            for (long r = 0; r < rep; r++) acc[r] = (vf){};
+            for (long d = 0; d < hd; d += VL) {
+                vf k = load_at(k_cache, kj + d, bf16);
+                for (long r = 0; r < rep; r++) acc[r] += *(const vfu *)(qf + r * hd + d) * k;
+            }
+            for (long r = 0; r < rep; r++) {
+                float sc = vsum(acc[r]) * scale;
+                p[r * len + j - lo] = sc;
+                m[r] = sc > m[r] ? sc : m[r];
+            }
         }
     }
     float inv[REP_MAX];
@@ -232,9 +256,13 @@ ALWAYS_INLINE void attend_kv_head_t(const void *q, long q_ld, long qrow, const v
     for (long d = 0; d < hd; d += VL) {
         vf acc[REP_MAX];
         for (long r = 0; r < rep; r++) acc[r] = (vf){};
-        for (long jj = lo; jj < n; jj++) {
-            vf v = load_at(v_cache, (table[jj / bs] * bs + jj % bs) * row + g * hd + d, bf16);
-            for (long r = 0; r < rep; r++) acc[r] += p[r * len + jj - lo] * v;
+        for (long j = lo; j < n;) {
+            long blk = j / bs, stop = (blk + 1) * bs < n ? (blk + 1) * bs : n;
+            long base = (table[blk] - blk) * bs * row + g * hd + d;
+            for (; j < stop; j++) {
+                vf v = load_at(v_cache, base + j * row, bf16);
+                for (long r = 0; r < rep; r++) acc[r] += p[r * len + j - lo] * v;
+            }
         }
         for (long r = 0; r < rep; r++) store_at(out, o0 + r * hd + d, acc[r] * inv[r], bf16);
     }
@@ -254,7 +282,7 @@ static int decode_attention(const void *q, long q_ld, const long *q_rows, long n
                             const long *tables, long tbl_ld, const long *ctx_lens, long max_ctx,
                             long bs, long nh, long nkv, long hd, float scale, long window,
                             void *out, long out_ld, int nthreads, int bf16) {
-    if (nh % nkv || nh / nkv > REP_MAX) return -1;
+    if (nh % nkv || nh / nkv > REP_MAX || (bf16 && hd > HD_MAX)) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && nseq * nkv > 1)
     {
@@ -268,14 +296,24 @@ static int decode_attention(const void *q, long q_ld, const long *q_rows, long n
         for (long s = 0; s < nseq; s++)
             for (long g = 0; g < nkv; g++) {
                 if (!p || q_rows[s] >= pad_row) continue;
-                if (bf16)
-                    attend_kv_head_t(q, q_ld, q_rows[s], k_cache, v_cache, tables + s * tbl_ld,
-                                     ctx_lens[s], bs, nkv, hd, nh / nkv, g, scale, window, out,
-                                     out_ld, p, 1);
+#define ATTEND(HD, REP, BF16)                                                                  \
+    attend_kv_head_t(q, q_ld, q_rows[s], k_cache, v_cache, tables + s * tbl_ld, ctx_lens[s], bs, \
+                     nkv, HD, REP, g, scale, window, out, out_ld, p, BF16)
+                /* Mistral's shapes with constant sizes: the loops unroll, the sums stay in
+                 * registers (the same sums in the same order as the generic call) */
+                if (bf16 && nh == 4 * nkv && hd == 64)
+                    ATTEND(64, 4, 1);
+                else if (bf16 && nh == 4 * nkv && hd == 128)
+                    ATTEND(128, 4, 1);
+                else if (bf16)
+                    ATTEND(hd, nh / nkv, 1);
+                else if (nh == 4 * nkv && hd == 64)
+                    ATTEND(64, 4, 0);
+                else if (nh == 4 * nkv && hd == 128)
+                    ATTEND(128, 4, 0);
                 else
-                    attend_kv_head(q, q_ld, q_rows[s], k_cache, v_cache, tables + s * tbl_ld,
-                                   ctx_lens[s], bs, nkv, hd, nh / nkv, g, scale, window, out,
-                                   out_ld, p);
+                    ATTEND(hd, nh / nkv, 0);
+#undef ATTEND
             }
         free(p);
     }
@@ -309,7 +347,7 @@ int tg_decode_attention_bf16(const uint16_t *q, long q_ld, const long *q_rows, l
                             ctx_lens, max_ctx, bs, nh, nkv, hd, scale, window, out, out_ld,
                             nthreads, 1);
 }
-int tg_rows_abi(void) { return 5; }
+int tg_rows_abi(void) { return 6; }
 /* ---- fused elementwise ops of a forward (fp32, rows of a contiguous [T, ...] tensor) ---- */
 
 /* y = w * (x * rsqrt(mean(x^2) + eps)) over one row of H floats, H % VL == 0. */

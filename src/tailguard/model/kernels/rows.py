@@ -22,7 +22,8 @@ from tailguard.model.kernels.build import Loader
 __all__ = ["RowKernel", "load_row_kernel", "self_check"]
 
 SOURCE = Path(__file__).with_name("rows.c")
-ABI = 5
+ABI = 6
+MAX_BF16_HEAD_DIM = 256  # rows.c HD_MAX: the bf16 decode attention's fp32 copy of the queries
 MAX_REP = 16  # rows.c REP_MAX: query heads per KV head the decode attention takes
 
 
@@ -148,7 +149,10 @@ class RowKernel:
             out.stride(0), threads,
         )  # fmt: skip
         if rc == -1:
-            raise ValueError(f"decode attention takes up to {MAX_REP} query heads a KV head")
+            raise ValueError(
+                f"decode attention takes up to {MAX_REP} query heads a KV head, and bf16 up to "
+                f"{MAX_BF16_HEAD_DIM} of head_dim"
+            )
         if rc != 0:  # pragma: no cover - a few KiB of scratch per thread
             raise MemoryError("decode attention: no memory for the scores")
 
