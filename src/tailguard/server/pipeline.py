@@ -19,7 +19,7 @@ import itertools
 import operator
 import os
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,6 +258,11 @@ class Pipeline:
                 "prompt or lower max_tokens",
                 param=param,
             )
+
+    def top_k_entries(self, pairs: Iterable[tuple[int, float]]) -> list[dict[str, Any]]:
+        """An answer's `top_k`: (token id, log-prob) pairs with each token's text."""
+        memo, text = self._token_text, self.token_text
+        return [{"token_id": t, "logprob": lp, "token": memo.get(t) or text(t)} for t, lp in pairs]
 
     def token_text(self, token_id: int) -> str:
         """One token's text, memoised: top-k answers decode the same few ids over and over."""

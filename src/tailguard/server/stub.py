@@ -45,12 +45,14 @@ def fake_token(ids: tuple[int, ...], step: int, seed: int | None) -> int:
     return 3 + 97 + h[0] % 26  # a..z in the simple byte tokenizer
 
 
+_LOGPROBS = tuple(-0.5 - i for i in range(16))  # the i-th best's log-prob
+
+
 def fake_top_logprobs(ids: tuple[int, ...], k: int) -> list[tuple[int, float]] | None:
     """Deterministic (token id, log-prob) pairs, best first (at most 16); None for k = 0."""
     if k <= 0:
         return None
-    h = _digest(ids)
-    return [(3 + h[i] % 250, -0.5 - i) for i in range(min(k, 16))]
+    return [(3 + b % 250, lp) for b, lp in zip(_digest(ids), _LOGPROBS[:k], strict=False)]
 
 
 def _single_pass_output(req: EngineRequest, queue_s: float, compute_s: float) -> EngineOutput:
