@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -108,6 +109,9 @@ __all__ = [
 
 _SCAN_OVERDUE = 64  # oldest in-flight requests checked for censored (overdue) samples
 _LOOSE_SHARE = 0.5  # raw prediction / time left, at most, for planning below the target
+# enum members bound once: a class attribute of an Enum costs ~55 ns to read, several per request
+_INTERACTIVE = Priority.INTERACTIVE
+_NO_SAMPLE = frozenset({FinishReason.ABORTED, FinishReason.ERROR})  # outputs that measure nothing
 
 
 @dataclass(frozen=True)
@@ -355,6 +359,7 @@ class AdmissionController:
         self._level_risk = tuple(1.0 - q for q in ladder)  # chance of a miss, per ladder level
         self._target_level = self.calibration[True].target_level
         self._risk_avg = 0.0  # recent admissions' average risk (a moving average)
+        self._miss_budget = cfg.miss_budget
         self._allowed = self._allowed_level()  # follows _risk_avg (see _spend)
         self._refused = RefusedShare(cfg.overload_window_s)
         self._budget, self._slots = cfg.max_num_batched_tokens, cfg.max_num_seqs
@@ -376,7 +381,7 @@ class AdmissionController:
         gen = 0 if item.single_pass else sign
         tokens, outputs = sign * item.prompt_tokens, gen * item.output_tokens
         self._waiting_all.add(sign, tokens, gen, outputs)
-        if item.priority == Priority.INTERACTIVE:
+        if item.priority == _INTERACTIVE:
             self._waiting_interactive.add(sign, tokens, gen, outputs)
 
     def step_ended(self, t_s: float) -> None:
@@ -419,10 +424,13 @@ class AdmissionController:
         if item is None:
             return None
         sample = None
-        if rid in self._pending and (out.finished or out.new_token_ids):
-            del self._pending[rid]
-            if out.finish_reason not in (FinishReason.ABORTED, FinishReason.ERROR):
-                sample = self._sample(item, now_s)
+        # the deadline event (leaves _pending); an aborted or failed one measures nothing
+        if (
+            (out.finished or out.new_token_ids)
+            and self._pending.pop(rid, None) is not None
+            and out.finish_reason not in _NO_SAMPLE
+        ):
+            sample = self._sample(item, now_s)
         if out.finished:
             self.release(rid)
             return sample
@@ -505,7 +513,7 @@ class AdmissionController:
         the server asks it before tokenizing, so that the thousands of requests a burst brings
         beyond capacity are turned away without paying for their tokenization. Commits nothing.
         """
-        interactive = priority == Priority.INTERACTIVE
+        interactive = priority == _INTERACTIVE
         _, _, predicted, left, usable = self._predict(
             1, interactive, single_pass, now_s, deadline_s
         )
@@ -532,7 +540,7 @@ class AdmissionController:
         For a single-pass request (score, embed) the deadline bounds completion; for a generation
         it bounds the first token (queue + prefill), and later tokens are paced by decode steps.
         """
-        interactive = priority == Priority.INTERACTIVE
+        interactive = priority == _INTERACTIVE
         engine, level, predicted, left, usable = self._predict(
             prompt_tokens, interactive, single_pass, now_s, deadline_s
         )
@@ -617,13 +625,10 @@ class AdmissionController:
         always; a looser one while the recently admitted requests' expected misses (their
         average risk, over about a calibration window of admissions) stay under the budget
         with this one admitted too."""
-        budget = self.config.miss_budget
+        budget = self._miss_budget
         room = self._risk_avg + (budget - self._risk_avg) * self.config.calibration_window
-        allowed = self._target_level
-        for level in range(self._target_level + 1, len(self._level_risk)):
-            if self._level_risk[level] <= room:
-                allowed = level
-        return allowed
+        # the risks grow with the level (the ladder is tightest first): the last that fits room
+        return max(bisect_right(self._level_risk, room) - 1, self._target_level)
 
     def _spend(self, risk: float) -> None:
         self._risk_avg += (risk - self._risk_avg) / self.config.calibration_window
