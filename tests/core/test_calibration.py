@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tailguard.core.calibration import Calibration, RecentMax, StepCostModel
+from tailguard.core.calibration import Calibration, PadTable, RecentMax, StepCostModel, padded
 
 
 def cal(**kw: float) -> Calibration:
@@ -165,3 +165,18 @@ def test_cost_model_without_rows_ignores_the_head_and_the_buckets() -> None:
     m.refit()
     assert (m.a, m.b, m.c) == pytest.approx((0.004, 0.0001, 0.0), rel=1e-6)
     assert m.step_s(20, 9) == pytest.approx(0.004 + 0.0001 * 20, rel=1e-6)
+
+
+def test_pad_table_pads_as_padded_does() -> None:
+    """The lookup table that prices admission's steps gives `padded`'s bucket for every count:
+    whole and fractional, at and between buckets, past the last one, zero and negative."""
+    buckets = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    table = PadTable(buckets)
+    counts = [-1.0, 0, 0.0, 0.25, 1, 1.5, 2, 3, 3.999, 4, 17, 23.5, 24, 47.01, 63.9, 64, 64.5, 100]
+    for n in counts:
+        assert table.padded(n) == padded(n, buckets), n
+    assert all(PadTable(()).padded(n) == n for n in counts)
+    m = StepCostModel(0.004, 0.0001, token_buckets=buckets, row_buckets=(1, 8, 16))
+    m.c0 = 0.0005
+    for n in counts:
+        assert m.step_s(n, 9) == pytest.approx(m.level * m._shape(n, 9), abs=0.0)

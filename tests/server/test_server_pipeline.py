@@ -14,6 +14,7 @@ from tests.server.inproc import Recorder, request, running_app, until
 import tailguard.server
 from tailguard.core.request import EngineOutput, EngineRequest, RequestKind
 from tailguard.errors import OutOfMemoryRequestError
+from tailguard.server.cache import ResponseCache
 from tailguard.server.call import Call
 from tailguard.server.pipeline import splice
 from tailguard.server.schemas import InferRequest
@@ -93,6 +94,20 @@ async def test_a_cached_infer_answer_gets_a_fresh_id_and_timing() -> None:
         assert new["id"] != old["id"] and new["object"] == "inference"
         assert new["timing"]["compute_ms"] == 0.0 and old["timing"]["compute_ms"] > 0
         held.cancel()
+
+
+def test_putting_a_cached_answer_again_only_refreshes_its_recency() -> None:
+    """The usual put (the same deterministic answer again) moves the key to the most recently
+    used end and leaves the byte count alone; a different answer replaces the old one."""
+    cache = ResponseCache(max_entries=2, max_bytes=1000)
+    cache.put(b"a", b"{1}")
+    cache.put(b"b", b"{22}")
+    cache.put(b"a", b"{1}")  # a is now the most recently used
+    cache.put(b"c", b"{333}")  # evicts b, the least recently used
+    assert cache.get(b"b") is None and cache.get(b"a") == b"{1}" and len(cache) == 2
+    cache.put(b"a", b"{4444}")
+    assert cache.get(b"a") == b"{4444}"
+    assert cache._bytes == len(b"a{4444}") + len(b"c{333}")
 
 
 def test_splice_makes_one_object() -> None:

@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -108,6 +109,9 @@ __all__ = [
 
 _SCAN_OVERDUE = 64  # oldest in-flight requests checked for censored (overdue) samples
 _LOOSE_SHARE = 0.5  # raw prediction / time left, at most, for planning below the target
+# enum members bound once: a class attribute of an Enum costs ~55 ns to read, several per request
+_INTERACTIVE = Priority.INTERACTIVE
+_NO_SAMPLE = frozenset({FinishReason.ABORTED, FinishReason.ERROR})  # outputs that measure nothing
 
 
 @dataclass(frozen=True)
@@ -271,7 +275,7 @@ class Decision:
     code: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs ~0.5 us, on every answer
 class PredictionSample:
     """One request's deadline event: how long it took against what was predicted."""
 
@@ -286,6 +290,12 @@ class _Waiting:
     tokens: int = 0  # prompt tokens still to prefill
     generations: int = 0  # waiting generations: each will hold a batch slot after its prefill
     generation_outputs: int = 0  # output tokens of those generations
+
+    def add(self, requests: int, tokens: int, generations: int, outputs: int) -> None:
+        self.requests += requests
+        self.tokens += tokens
+        self.generations += generations
+        self.generation_outputs += outputs
 
 
 @dataclass(slots=True)
@@ -349,7 +359,10 @@ class AdmissionController:
         self._level_risk = tuple(1.0 - q for q in ladder)  # chance of a miss, per ladder level
         self._target_level = self.calibration[True].target_level
         self._risk_avg = 0.0  # recent admissions' average risk (a moving average)
+        self._miss_budget = cfg.miss_budget
+        self._allowed = self._allowed_level()  # follows _risk_avg (see _spend)
         self._refused = RefusedShare(cfg.overload_window_s)
+        self._budget, self._slots = cfg.max_num_batched_tokens, cfg.max_num_seqs
 
     # ---- ledger -------------------------------------------------------------------------------
     @property
@@ -366,15 +379,10 @@ class AdmissionController:
 
     def _waiting(self, item: WorkItem, sign: int) -> None:
         gen = 0 if item.single_pass else sign
-        for w in (
-            (self._waiting_all, self._waiting_interactive)
-            if item.priority == Priority.INTERACTIVE
-            else (self._waiting_all,)
-        ):
-            w.requests += sign
-            w.tokens += sign * item.prompt_tokens
-            w.generations += gen
-            w.generation_outputs += gen * item.output_tokens
+        tokens, outputs = sign * item.prompt_tokens, gen * item.output_tokens
+        self._waiting_all.add(sign, tokens, gen, outputs)
+        if item.priority == _INTERACTIVE:
+            self._waiting_interactive.add(sign, tokens, gen, outputs)
 
     def step_ended(self, t_s: float) -> None:
         """The engine reported a step that ended at `t_s` (monotonic): the next one began then."""
@@ -416,10 +424,13 @@ class AdmissionController:
         if item is None:
             return None
         sample = None
-        if rid in self._pending and (out.finished or out.new_token_ids):
-            del self._pending[rid]
-            if out.finish_reason not in (FinishReason.ABORTED, FinishReason.ERROR):
-                sample = self._sample(item, now_s)
+        # the deadline event (leaves _pending); an aborted or failed one measures nothing
+        if (
+            (out.finished or out.new_token_ids)
+            and self._pending.pop(rid, None) is not None
+            and out.finish_reason not in _NO_SAMPLE
+        ):
+            sample = self._sample(item, now_s)
         if out.finished:
             self.release(rid)
             return sample
@@ -457,8 +468,7 @@ class AdmissionController:
         """Raw prediction: seconds from `now_s` until the engine has prefilled `prompt_tokens`
         more (a single-pass request's answer, a generation's first token). See the module
         docstring."""
-        cfg = self.config
-        budget, slots = cfg.max_num_batched_tokens, cfg.max_num_seqs
+        budget, slots = self._budget, self._slots
         ahead = self._waiting_interactive if interactive else self._waiting_all
         held = min(len(self._decoding), slots)
         tokens = ahead.tokens + prompt_tokens
@@ -503,17 +513,15 @@ class AdmissionController:
         the server asks it before tokenizing, so that the thousands of requests a burst brings
         beyond capacity are turned away without paying for their tokenization. Commits nothing.
         """
-        d = self.decide(
-            "",
-            now_s=now_s,
-            deadline_s=deadline_s,
-            prompt_tokens=1,
-            output_tokens=0,
-            priority=priority,
-            single_pass=single_pass,
-            commit=False,
+        interactive = priority == _INTERACTIVE
+        _, _, predicted, left, usable = self._predict(
+            1, interactive, single_pass, now_s, deadline_s
         )
-        return None if d.admitted else d
+        refusal = self._refusal(interactive, 1, predicted, left, usable, single_pass)
+        if refusal is None:
+            return None  # commits nothing, records nothing
+        self._refused.record(now_s, True)  # its refusal counts in the refused share
+        return self._refused_decision(refusal, predicted, usable)
 
     def decide(
         self,
@@ -532,31 +540,49 @@ class AdmissionController:
         For a single-pass request (score, embed) the deadline bounds completion; for a generation
         it bounds the first token (queue + prefill), and later tokens are paced by decode steps.
         """
-        cfg = self.config
-        interactive = priority == Priority.INTERACTIVE
-        engine = self.engine_s(prompt_tokens, interactive=interactive, now_s=now_s)
-        left = deadline_s - now_s
-        usable = left * (1.0 - self.headroom(now_s))
-        level, predicted = self._plan(engine, usable, single_pass)
+        interactive = priority == _INTERACTIVE
+        engine, level, predicted, left, usable = self._predict(
+            prompt_tokens, interactive, single_pass, now_s, deadline_s
+        )
         refusal = self._refusal(
             interactive, prompt_tokens + output_tokens, predicted, left, usable, single_pass
         )
-        if commit or refusal is not None:  # `saturated` commits nothing, but its refusal counts
+        if commit or refusal is not None:  # uncommitted admissions are not counted
             self._refused.record(now_s, refusal is not None)
         if refusal is not None:
-            code, reason = refusal
-            retry = self._retry_after(predicted, usable)
-            return Decision(False, predicted, 0.0, retry, reason, code)
+            return self._refused_decision(refusal, predicted, usable)
         if commit:
             item = WorkItem(priority, prompt_tokens, output_tokens, single_pass, now_s, engine)
             self._enter(request_id, item)
             self._spend(self._level_risk[level])
-        if not cfg.enabled:
+        if not self.config.enabled:
             return Decision(True, predicted, math.inf, 0.0, "")
         # The engine drops it unstarted past this instant: a single-pass request that starts
         # later than deadline - its own compute could not finish in time anyway.
         own = self.cost.step_s(prompt_tokens, 1) if single_pass else 0.0
         return Decision(True, predicted, deadline_s - own, 0.0, "")
+
+    def _predict(
+        self,
+        prompt_tokens: int,
+        interactive: bool,
+        single_pass: bool,
+        now_s: float,
+        deadline_s: float,
+    ) -> tuple[float, int, float, float, float]:
+        """(raw prediction, ladder level, planned time, time left, time usable): what `decide`
+        and `saturated` judge a request by."""
+        engine = self.engine_s(prompt_tokens, interactive=interactive, now_s=now_s)
+        left = deadline_s - now_s
+        usable = left * (1.0 - self.headroom(now_s))
+        level, predicted = self._plan(engine, usable, single_pass)
+        return engine, level, predicted, left, usable
+
+    def _refused_decision(
+        self, refusal: tuple[str, str], predicted: float, usable: float
+    ) -> Decision:
+        code, reason = refusal
+        return Decision(False, predicted, 0.0, self._retry_after(predicted, usable), reason, code)
 
     def headroom(self, now_s: float) -> float:
         """The share of its time left a request is planned to leave unused now: the share of
@@ -579,7 +605,7 @@ class AdmissionController:
         # (all late together), which the per-size samples underestimate (measured: a 2x level
         # with 3.7% of admitted first tokens late, where the budget allowed 0.5%).
         loose = engine <= _LOOSE_SHARE * left
-        loosest = self._allowed_level() if loose else self._target_level
+        loosest = self._allowed if loose else self._target_level
         if not self._items:
             # Nothing admitted is in flight: the engine starts this one now, and refusing it
             # protects nobody. Only its own compute can make it late (a calibration still
@@ -599,16 +625,14 @@ class AdmissionController:
         always; a looser one while the recently admitted requests' expected misses (their
         average risk, over about a calibration window of admissions) stay under the budget
         with this one admitted too."""
-        budget = self.config.miss_budget
+        budget = self._miss_budget
         room = self._risk_avg + (budget - self._risk_avg) * self.config.calibration_window
-        allowed = self._target_level
-        for level in range(self._target_level + 1, len(self._level_risk)):
-            if self._level_risk[level] <= room:
-                allowed = level
-        return allowed
+        # the risks grow with the level (the ladder is tightest first): the last that fits room
+        return max(bisect_right(self._level_risk, room) - 1, self._target_level)
 
     def _spend(self, risk: float) -> None:
         self._risk_avg += (risk - self._risk_avg) / self.config.calibration_window
+        self._allowed = self._allowed_level()
 
     @property
     def expected_miss_share(self) -> float:

@@ -39,11 +39,15 @@ class ResponseCache:
         size = len(key) + len(payload)
         if not self.enabled or size > self.max_bytes:
             return
-        old = self._data.pop(key, None)
-        if old is not None:
-            self._bytes -= len(key) + len(old)
-        self._data[key] = payload
-        self._bytes += size
+        old = self._data.get(key)
+        if old == payload:  # a key seen before answers the same (deterministic): recency only
+            self._data.move_to_end(key)
+        else:
+            if old is not None:
+                del self._data[key]
+                self._bytes -= len(key) + len(old)
+            self._data[key] = payload
+            self._bytes += size
         while len(self._data) > self.max_entries or self._bytes > self.max_bytes:
             k, v = self._data.popitem(last=False)  # least recently used
             self._bytes -= len(k) + len(v)

@@ -49,14 +49,10 @@ async def infer(p: Pipeline, call: Call) -> None:
         p.check_context(len(job.ids), 0, "prompt")
 
     async def compute() -> tuple[dict[str, Any], bytes]:
-        async with p.admit(call, job) as ticket:
-            out = await p.single(ticket)
-        text = p.token_text
+        ticket = p.admit(call, job)
+        out = await p.single(ticket)  # releases the ticket on every way out
         payload: dict[str, Any] = {
-            "top_k": [
-                {"token_id": t, "logprob": lp, "token": text(t)}
-                for t, lp in (out.top_logprobs or ())
-            ],
+            "top_k": p.top_k_entries(out.top_logprobs or ()),
             "usage": {"prompt_tokens": len(job.ids), "total_tokens": len(job.ids)},
         }
         if req.embedding:
