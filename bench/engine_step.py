@@ -75,12 +75,13 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def weight_bytes(cfg: MistralConfig) -> int:
-    """Bytes of fp32 weights one decode step reads: every projection and the output head."""
+def weight_bytes(cfg: MistralConfig, itemsize: int = 4) -> int:
+    """Bytes of weights one decode step reads (itemsize 4: fp32, 2: bf16): every projection
+    and the output head."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     per_layer = (q + 2 * kv) * h + q * h + 2 * i * h + i * h
-    return 4 * (cfg.num_hidden_layers * per_layer + cfg.vocab_size * h)
+    return itemsize * (cfg.num_hidden_layers * per_layer + cfg.vocab_size * h)
 
 
 def prefill_flops(cfg: MistralConfig, batch: int, prompt: int) -> float:
@@ -167,7 +168,7 @@ def main() -> None:
     cfg = MistralConfig.from_dir(model)
     bound: dict[int, float] = {}
     if args.ab_kernel or args.ab_fused or args.matmuls:
-        wb = weight_bytes(cfg)
+        wb = weight_bytes(cfg, getattr(torch, args.dtype).itemsize)
         for t in sorted({1, args.threads}):
             gbs = read_bandwidth(t)
             bound[t] = wb / gbs / 1e6
