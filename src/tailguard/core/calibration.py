@@ -118,18 +118,14 @@ class StepCostModel:
         self._first = []
 
     def step_s(self, num_tokens: float, rows: float = 1) -> float:
-        """The predicted time of a step of `num_tokens` tokens and `rows` head rows: `_shape`,
-        padded through the tables (admission prices several steps for every request, and a
-        bisect on a float costs ~170 ns)."""
-        return self.level * (
-            self.a0
-            + self.b0 * self._token_pad.padded(num_tokens)
-            + self.c0 * self._row_pad.padded(rows)
-        )
+        """The predicted time of a step of `num_tokens` tokens and `rows` head rows."""
+        return self.level * self._shape(num_tokens, rows)
 
     def _shape(self, num_tokens: float, rows: float) -> float:
-        tokens = padded(num_tokens, self.token_buckets)
-        return self.a0 + self.b0 * tokens + self.c0 * padded(rows, self.row_buckets)
+        # padded through the tables: admission prices several steps for every request, and a
+        # bisect on a float costs ~170 ns
+        tokens = self._token_pad.padded(num_tokens)
+        return self.a0 + self.b0 * tokens + self.c0 * self._row_pad.padded(rows)
 
 
 def padded(n: float, buckets: tuple[int, ...]) -> float:
@@ -315,15 +311,9 @@ class Calibration:
 
     def bound(self, predicted_s: float, level: int | None = None) -> float:
         """The time to plan for when the model predicts `predicted_s`: at the target quantile,
-        or at `self.ladder[level]` (`_measured_bound` inlined: several per request)."""
+        or at `self.ladder[level]`."""
         lv = self.target_level if level is None else level
-        k = bisect_left(EDGES_S, predicted_s)
-        e = self._own[lv][k]
-        if e is None:
-            b = max(predicted_s * self.prior_ratio, predicted_s + self.prior_excess_s)
-        else:
-            b = max(predicted_s + e, self._floor[lv][k], 0.0)
-        return max(b, predicted_s + self.live_excess_s)
+        return max(self._measured_bound(predicted_s, lv), predicted_s + self.live_excess_s)
 
     def overdue(self, predicted_s: float, elapsed_s: float) -> bool:
         """True when a request still in flight has already taken longer than its bound (the

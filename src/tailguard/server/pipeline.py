@@ -262,8 +262,8 @@ class Pipeline:
 
     def top_k_entries(self, pairs: Iterable[tuple[int, float]]) -> list[dict[str, Any]]:
         """An answer's `top_k`: (token id, log-prob) pairs with each token's text."""
-        memo, text = self._token_text, self.token_text
-        return [{"token_id": t, "logprob": lp, "token": memo.get(t) or text(t)} for t, lp in pairs]
+        text = self.token_text  # memoised there
+        return [{"token_id": t, "logprob": lp, "token": text(t)} for t, lp in pairs]
 
     def token_text(self, token_id: int) -> str:
         """One token's text, memoised: top-k answers decode the same few ids over and over."""
