@@ -45,8 +45,8 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(exc)
+        except httptools.HttpParserError as exc:  # an OSError for the caller, like a reset
+            self._fail(ConnectionError(f"malformed HTTP answer: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
