@@ -300,6 +300,8 @@ class OpenLevel:
     loop_lag_p99_s: float = math.nan  # server: HTTP event-loop lag, p99 (a bucket bound)
     engine: EngineWindow = field(default_factory=EngineWindow)
     error_statuses: dict[int, int] = field(default_factory=dict)  # 0: no HTTP answer
+    samples: list[Sample] = field(default_factory=list, repr=False)  # every request, for timelines
+    start_s: float = 0.0  # monotonic time of the first intended send
 
     @property
     def goodput_share(self) -> float:
@@ -353,6 +355,8 @@ async def open_loop(
         error_statuses=dict(
             Counter(x.status for x in samples if x.status != 200 and x.status not in REFUSED)
         ),
+        samples=samples,
+        start_s=start,
     )
 
 

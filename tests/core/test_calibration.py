@@ -54,6 +54,40 @@ def test_the_bound_never_falls_as_the_prediction_grows() -> None:
     assert c.bound(0.5) == pytest.approx(0.5)
 
 
+def _stalled_sparse_class(tail_samples: int) -> Calibration:
+    """A dense 10-ms class (300 answers 5-9 ms late) beside a sparse 20-ms one (40 answers
+    10-14 ms late) that one stall made 155 ms late once: the state that held admission at 0.6
+    of its goodput for 30 s (session 27)."""
+    c = cal(quantile=0.99, window=512, min_samples=32, tail_samples=tail_samples)
+    for i in range(300):
+        c.observe(0.008, 0.008 + 0.005 + 0.001 * (i % 5), now_s=i * 0.01)
+    for i in range(39):
+        c.observe(0.015, 0.015 + 0.010 + 0.001 * (i % 5), now_s=i * 0.01 + 0.005)
+    c.observe(0.015, 0.015 + 0.155, now_s=1.0)
+    c.refresh(1.0)
+    return c
+
+
+def test_one_stall_in_a_sparse_class_is_not_its_quantile_once_pooled() -> None:
+    alone = _stalled_sparse_class(tail_samples=0)
+    assert alone.bound(0.015) == pytest.approx(0.17)  # the class plans for the stall
+    assert alone.bound(0.03) >= 0.02 + 0.155  # and everything above it plans for it too
+    pooled = _stalled_sparse_class(tail_samples=2)  # pools to 200: the 10-ms class's 300 join
+    assert pooled.bound(0.015) == pytest.approx(0.015 + 0.014)  # the 20-ms class's own lateness
+    assert pooled.bound(0.03) < 0.06
+    assert pooled.bound(0.008) == pytest.approx(0.008 + 0.009)  # a dense class is its own
+
+
+def test_a_sparse_class_that_really_runs_late_keeps_its_excess_in_the_pool() -> None:
+    c = cal(quantile=0.99, window=512, min_samples=32, tail_samples=2)
+    for _ in range(300):
+        c.observe(0.008, 0.010, now_s=0.0)  # 2 ms late
+    for _ in range(40):
+        c.observe(0.015, 0.065, now_s=0.0)  # every one 50 ms late: 12% of the pool
+    c.refresh(0.0)
+    assert c.bound(0.015) == pytest.approx(0.065)
+
+
 def test_old_samples_age_out() -> None:
     c = cal(min_samples=2)
     c.observe(0.003, 0.13, 0.0)  # measured while the step-cost fit was wrong

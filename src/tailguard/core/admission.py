@@ -157,6 +157,10 @@ class AdmissionConfig:
     """Answers needed (per prediction-size class) before the measured error replaces the priors."""
     calibration_max_age_s: float = 30.0
     """Answers older than this no longer count (seconds): the machine and the fit change."""
+    calibration_tail_samples: int = 2
+    """A prediction-size class with too few answers for this many to lie above its target
+    quantile is pooled with its neighbours (0: off): one stall must not become a sparse class's
+    0.99 quantile (see `Calibration`)."""
     prior_ratio: float = 1.25
     """Actual / predicted time assumed until measured."""
     prior_excess_s: float = 0.010
@@ -209,6 +213,10 @@ class AdmissionConfig:
             self.calibration_max_age_s > 0,
             f"calibration_max_age_s={self.calibration_max_age_s}: > 0",
         )
+        need(
+            self.calibration_tail_samples >= 0,
+            f"calibration_tail_samples={self.calibration_tail_samples}: >= 0 (0: off)",
+        )
         need(self.prior_ratio >= 1.0, f"prior_ratio={self.prior_ratio}: >= 1")
         need(self.prior_excess_s >= 0, f"prior_excess_s={self.prior_excess_s}: >= 0")
         need(
@@ -248,6 +256,7 @@ class AdmissionConfig:
             prior_excess_s=self.prior_excess_s,
             max_age_s=self.calibration_max_age_s,
             ladder=self.ladder(),
+            tail_samples=self.calibration_tail_samples,
         )
 
 

@@ -203,6 +203,17 @@ class Calibration:
     `live_excess_s` is set by the admission controller from requests still in flight that are
     already later than their bound (censored samples: their actual excess is at least this). It
     widens the bound the moment the engine slows down, long before the late answers arrive.
+
+    `tail_samples` (0: off) pools a sparse class with its nearest measured neighbours until the
+    target quantile of the pool has at least that many samples above it (a pool of
+    `tail_samples / (1 - quantile)` samples): a class of 40 samples plans at 0.99 for its
+    largest one, and after one stall of the machine that is the stall. Every request of that
+    size and above was then refused, so the class got no sample to correct it until the stall
+    aged out (measured, session 27: one 150 ms SIGSTOP of the engine at 4x overload held infer
+    goodput at 0.6-0.75 of the target for the next 30 s, admitting only 10-ms predictions).
+    A stall hits whatever is in flight, so its share of misses is its share of *time*, which a
+    sparse class overstates many times over; a class whose answers really run later than its
+    neighbours' keeps that in the pool's tail as long as they are a `1 - quantile` share of it.
     """
 
     def __init__(
@@ -215,8 +226,11 @@ class Calibration:
         prior_excess_s: float,
         max_age_s: float = 30.0,
         ladder: tuple[float, ...] = (),
+        tail_samples: int = 0,
     ) -> None:
         self.quantile = quantile
+        # samples a class (or its pool) needs for its own figure at the target quantile
+        self._pool_size = math.ceil(tail_samples / (1.0 - quantile)) if tail_samples else 0
         # Every quantile kept, tightest (highest) first; `level` arguments index it.
         self.ladder = tuple(sorted({quantile, *ladder}, reverse=True))
         self.target_level = self.ladder.index(quantile)
@@ -231,7 +245,9 @@ class Calibration:
         # every smaller class
         self._own: list[list[float | None]] = [[None] * n for _ in range(m)]
         self._floor: list[list[float]] = [[0.0] * n for _ in range(m)]
-        # each class's own quantiles, one per ladder level (None: too few samples)
+        # each class's excess sorted (None: fewer than min_samples), and its quantiles (own or
+        # its pool's), one per ladder level
+        self._sorted: list[list[float] | None] = [None] * n
         self._class_ladder: list[tuple[float, ...] | None] = [None] * n
         self.live_excess_s = 0.0
 
@@ -279,14 +295,33 @@ class Calibration:
             return
         for k in self._dirty:  # only the classes that changed are sorted again
             d = self._samples[k]
-            if len(d) >= self.min_samples:
-                ordered = sorted(map(_excess, d))  # every 5 ms: map, not a generator
-                self._class_ladder[k] = tuple(_quantile_sorted(ordered, q) for q in self.ladder)
-            else:
-                self._class_ladder[k] = None
+            # every 5 ms: map, not a generator
+            self._sorted[k] = sorted(map(_excess, d)) if len(d) >= self.min_samples else None
         self._dirty.clear()
+        for k, ordered in enumerate(self._sorted):
+            if ordered is not None and len(ordered) < self._pool_size:
+                ordered = self._pooled(k, ordered)
+            self._class_ladder[k] = None if ordered is None else self._quantiles(ordered)
         for level in range(len(self.ladder)):
             self._spread(level)
+
+    def _quantiles(self, ordered: list[float]) -> tuple[float, ...]:
+        return tuple(_quantile_sorted(ordered, q) for q in self.ladder)
+
+    def _pooled(self, k: int, own: list[float]) -> list[float]:
+        """Class k's samples with its nearest measured neighbours' (below first at each
+        distance) until there are `_pool_size` of them, sorted."""
+        parts, count = [own], len(own)
+        n = len(self._sorted)
+        for dist in range(1, n):
+            for j in (k - dist, k + dist):
+                other = self._sorted[j] if 0 <= j < n else None
+                if other is not None and count < self._pool_size:
+                    parts.append(other)
+                    count += len(other)
+            if count >= self._pool_size:
+                break
+        return sorted([x for part in parts for x in part]) if len(parts) > 1 else own
 
     def _spread(self, level: int) -> None:
         """Give every class a figure at this ladder level: its own, else the nearest measured

@@ -115,6 +115,11 @@ class ServerConfig:
     share of the last second's requests refused, up to this (0 to 0.9; 0: always plan to the
     whole deadline). Refusing one more request then costs no goodput, and the shorter queue
     leaves room for the delays the server cannot see (the client's, the network's)."""
+    admission_tail_samples: int = 2
+    """A prediction-size class whose measured error has too few samples for this many to lie
+    above its admission_quantile is pooled with its neighbours' (0: off, each class alone).
+    Keeps one stall from becoming a sparse class's quantile and refusing its sizes for the
+    samples' 30 s lifetime."""
     admission_step_cost: str = "rows"
     """How admission prices an engine step: rows (a + b * tokens + c * head rows, at the
     engine's padded bucket sizes) or tokens (a + b * tokens, unpadded: the model before
@@ -269,6 +274,7 @@ class ServerConfig:
             target_quantile=self.admission_quantile,
             max_request_risk=self.admission_max_request_risk,
             overload_headroom=self.admission_overload_headroom,
+            calibration_tail_samples=self.admission_tail_samples,
             step_cost=self.admission_step_cost,
         )
 
