@@ -241,7 +241,8 @@ def main() -> int:
     ap.add_argument(
         "--dtype",
         default="bfloat16",
-        help="serving dtype of both (bfloat16; float32 on a CPU without native bf16 matmuls)",
+        help="serving dtype of both (bfloat16; float32 on a CPU without AMX); auto: tailguard's "
+        "own choice (give vLLM one with --vllm-dtype)",
     )
     ap.add_argument("--vllm-dtype", default=None, help="vLLM's dtype when not --dtype")
     ap.add_argument("--rounds", type=int, default=1, help="2: tailguard, vllm, vllm, tailguard")

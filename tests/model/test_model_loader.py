@@ -15,7 +15,7 @@ from tests.model.model_testkit import TINY, PagedCache, make_checkpoint
 
 from tailguard.errors import ModelLoadError
 from tailguard.model.config import MistralConfig
-from tailguard.model.loader import best_cpu_dtype, load_model, resolve_dtype
+from tailguard.model.loader import best_cpu_dtype, bf16_is_faster, load_model, resolve_dtype
 
 
 @pytest.fixture
@@ -161,6 +161,31 @@ def test_resolve_dtype() -> None:
     assert best_cpu_dtype() in (torch.float32, torch.bfloat16)
     with pytest.raises(ModelLoadError, match="'int4' is not supported"):
         resolve_dtype("int4")
+
+
+@pytest.mark.parametrize(
+    ("flags", "isa", "want"),
+    [
+        ({"avx2", "fma"}, "", False),  # no native bf16: emulated, ~100x slower
+        ({"avx512f", "avx512_bf16"}, "", False),  # vdpbf16ps only: slower than fp32 matmuls
+        ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "", True),
+        ({"avx512_bf16", "amx_bf16"}, "all", True),
+        ({"avx512_bf16", "amx_bf16"}, "AVX512_CORE_AMX", True),
+        ({"avx512_bf16", "amx_bf16"}, "avx10_1_512_amx_fp16", True),
+        ({"avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", False),  # oneDNN capped below AMX
+        ({"avx512_bf16", "amx_bf16"}, "AVX2", False),
+    ],
+)
+def test_bf16_only_where_amx_multiplies_it(flags: set[str], isa: str, want: bool) -> None:
+    assert bf16_is_faster(flags, isa) is want
+
+
+def test_auto_follows_the_onednn_isa_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert best_cpu_dtype() is torch.float32  # with or without AMX on this machine
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")
+    assert best_cpu_dtype() is torch.float32
 
 
 def test_tied_checkpoint_ignores_stored_head(tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ not with a shape error deep inside a matmul.
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -18,7 +20,7 @@ from tailguard.errors import ModelLoadError
 from tailguard.model.config import SUPPORTED_DTYPES, MistralConfig, hf_weight_shapes
 from tailguard.model.mistral import MistralModel
 
-__all__ = ["best_cpu_dtype", "load_model", "resolve_dtype"]
+__all__ = ["best_cpu_dtype", "bf16_is_faster", "load_model", "resolve_dtype"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -53,16 +55,37 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def best_cpu_dtype() -> torch.dtype:
-    """bf16 when the CPU multiplies bf16 natively (AVX512-BF16 or AMX), else fp32.
-
-    Without those instructions bf16 matmuls are emulated and slower than fp32.
-    """
+    """bf16 where oneDNN multiplies it on AMX tiles, else fp32 (`bf16_is_faster`)."""
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         flags = []
-    native = "avx512_bf16" in flags or "amx_bf16" in flags
-    return torch.bfloat16 if native and torch.backends.mkldnn.is_available() else torch.float32
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    faster = bf16_is_faster(flags, isa) and torch.backends.mkldnn.is_available()
+    return torch.bfloat16 if faster else torch.float32
+
+
+def bf16_is_faster(cpu_flags: Collection[str], onednn_max_isa: str = "") -> bool:
+    """True where the CPU has AMX bf16 tiles (`amx_bf16`) and oneDNN may use them.
+
+    The rule, measured (docs/benchmarks.md, session 27; 2 cores of one Xeon, oneDNN's ISA
+    capped with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 for the no-AMX half):
+      - AMX: a 2048^3 bf16 matmul runs at ~1,700 GFLOP/s against ~300 in fp32, and the
+        embedded model's 64-row decode step takes 3.6 ms in bf16 against 6.9 ms in fp32 (its
+        32000-row head is compute-bound there), so bf16 wins for small models as for large.
+      - AVX512-BF16 without AMX (oneDNN's `vdpbf16ps` kernels): bf16 matmuls are *slower* than
+        fp32 (168 vs 215 GFLOP/s at 2048^3; 174 vs 239 at the embedded head's shape) and fp32
+        keeps our small-M kernel and fused decode stack: the embedded decode step is 10.9 ms
+        in bf16 against 7.0 in fp32, model M's 32-row step 95 vs 80 ms and its prefill 1.23x
+        slower; only M's 8-row decode was faster in bf16 (42 vs 44 ms). So fp32 there.
+      - Neither flag: bf16 is emulated, ~100x slower than fp32 (docs/model.md).
+    `onednn_max_isa` is ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA): a cap below AMX means
+    oneDNN will not use the tiles, so fp32 as well.
+    """
+    if "amx_bf16" not in cpu_flags:
+        return False
+    isa = onednn_max_isa.strip().upper()
+    return isa in ("", "ALL", "DEFAULT") or "AMX" in isa
 
 
 def load_model(
