@@ -15,7 +15,13 @@ from tests.model.model_testkit import TINY, PagedCache, make_checkpoint
 
 from tailguard.errors import ModelLoadError
 from tailguard.model.config import MistralConfig
-from tailguard.model.loader import best_cpu_dtype, bf16_is_faster, load_model, resolve_dtype
+from tailguard.model.loader import (
+    best_cpu_dtype,
+    bf16_is_faster,
+    bf16_matmul_speedup,
+    load_model,
+    resolve_dtype,
+)
 
 
 @pytest.fixture
@@ -167,20 +173,39 @@ def test_resolve_dtype() -> None:
     ("flags", "isa", "want"),
     [
         ({"avx2", "fma"}, "", False),  # no native bf16: emulated, ~100x slower
-        ({"avx512f", "avx512_bf16"}, "", False),  # vdpbf16ps only: slower than fp32 matmuls
         ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "", True),
         ({"avx512_bf16", "amx_bf16"}, "all", True),
         ({"avx512_bf16", "amx_bf16"}, "AVX512_CORE_AMX", True),
         ({"avx512_bf16", "amx_bf16"}, "avx10_1_512_amx_fp16", True),
-        ({"avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", False),  # oneDNN capped below AMX
         ({"avx512_bf16", "amx_bf16"}, "AVX2", False),
     ],
 )
 def test_bf16_only_where_amx_multiplies_it(flags: set[str], isa: str, want: bool) -> None:
-    assert bf16_is_faster(flags, isa) is want
+    def never() -> float:
+        raise AssertionError("the flags decide: no probe")
+
+    assert bf16_is_faster(flags, isa, probe=never) is want
+
+
+@pytest.mark.parametrize(
+    ("speedup", "want"), [(0.78, False), (1.1, False), (1.15, True), (2.0, True)]
+)
+def test_avx512_bf16_without_amx_is_measured(speedup: float, want: bool) -> None:
+    flags = {"avx512f", "avx512_bf16"}
+    assert bf16_is_faster(flags, "", probe=lambda: speedup) is want
+    capped = flags | {"amx_bf16"}  # AMX present but oneDNN capped below it: measured as well
+    assert bf16_is_faster(capped, "AVX512_CORE_BF16", probe=lambda: speedup) is want
+
+
+def test_the_probe_times_both_dtypes() -> None:
+    speedup = bf16_matmul_speedup(rows=8, dim=128, reps=2)
+    assert 0.0 < speedup < 1000.0
 
 
 def test_auto_follows_the_onednn_isa_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tailguard.model.loader as loader
+
+    monkeypatch.setattr(loader, "bf16_matmul_speedup", lambda: 0.78)  # as on the capped Xeon
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     assert best_cpu_dtype() is torch.float32  # with or without AMX on this machine
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")

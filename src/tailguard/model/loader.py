@@ -8,9 +8,11 @@ not with a shape error deep inside a matmul.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -55,37 +57,72 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def best_cpu_dtype() -> torch.dtype:
-    """bf16 where oneDNN multiplies it on AMX tiles, else fp32 (`bf16_is_faster`)."""
+    """bf16 where it is faster than fp32 on this CPU (`bf16_is_faster`), else fp32."""
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         flags = []
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-    faster = bf16_is_faster(flags, isa) and torch.backends.mkldnn.is_available()
-    return torch.bfloat16 if faster else torch.float32
+    if not torch.backends.mkldnn.is_available():
+        return torch.float32
+    return torch.bfloat16 if bf16_is_faster(flags, isa) else torch.float32
 
 
-def bf16_is_faster(cpu_flags: Collection[str], onednn_max_isa: str = "") -> bool:
-    """True where the CPU has AMX bf16 tiles (`amx_bf16`) and oneDNN may use them.
+BF16_MIN_SPEEDUP = 1.15
+"""Where only a probe can tell (AVX512-BF16 without AMX), bf16 must beat fp32 by this much:
+fp32 keeps the small-M kernel and the fused decode stack, which a probe matmul does not see."""
 
-    The rule, measured (docs/benchmarks.md, session 27; 2 cores of one Xeon, oneDNN's ISA
-    capped with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 for the no-AMX half):
+
+def bf16_is_faster(
+    cpu_flags: Collection[str],
+    onednn_max_isa: str = "",
+    probe: Callable[[], float] | None = None,
+) -> bool:
+    """True where bf16 matmuls beat fp32 on this CPU: AMX tiles that oneDNN may use, or,
+    with AVX512-BF16 alone, a measured speedup of `probe()` (fp32 time / bf16 time, default
+    `bf16_matmul_speedup`) of at least `BF16_MIN_SPEEDUP`.
+
+    Measured (docs/benchmarks.md, session 27; 2 cores of one Xeon, oneDNN's ISA capped with
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 for the no-AMX half):
       - AMX: a 2048^3 bf16 matmul runs at ~1,700 GFLOP/s against ~300 in fp32, and the
         embedded model's 64-row decode step takes 3.6 ms in bf16 against 6.9 ms in fp32 (its
         32000-row head is compute-bound there), so bf16 wins for small models as for large.
-      - AVX512-BF16 without AMX (oneDNN's `vdpbf16ps` kernels): bf16 matmuls are *slower* than
-        fp32 (168 vs 215 GFLOP/s at 2048^3; 174 vs 239 at the embedded head's shape) and fp32
-        keeps our small-M kernel and fused decode stack: the embedded decode step is 10.9 ms
-        in bf16 against 7.0 in fp32, model M's 32-row step 95 vs 80 ms and its prefill 1.23x
-        slower; only M's 8-row decode was faster in bf16 (42 vs 44 ms). So fp32 there.
+      - AVX512-BF16 without AMX (oneDNN's `vdpbf16ps` kernels): on that Xeon bf16 matmuls were
+        *slower* than fp32 (168 vs 215 GFLOP/s at 2048^3; 174 vs 239 at the embedded head's
+        shape; session 17's Xeon of that kind 110-131 vs ~150), the embedded decode step 10.9
+        ms in bf16 against 7.0 in fp32, model M's 32-row step 95 vs 80 ms. Other CPUs with the
+        same flag (AMD Zen 4) are reported ~2x faster in bf16, so that case is measured, not
+        assumed: a 64 x 2048 x 2048 matmul timed in both dtypes at start-up (~50 ms).
       - Neither flag: bf16 is emulated, ~100x slower than fp32 (docs/model.md).
     `onednn_max_isa` is ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA): a cap below AMX means
-    oneDNN will not use the tiles, so fp32 as well.
+    oneDNN will not use the tiles (then the probe decides, or fp32 below the bf16 instructions).
     """
-    if "amx_bf16" not in cpu_flags:
-        return False
     isa = onednn_max_isa.strip().upper()
-    return isa in ("", "ALL", "DEFAULT") or "AMX" in isa
+    uncapped = isa in ("", "ALL", "DEFAULT")
+    if "amx_bf16" in cpu_flags and (uncapped or "AMX" in isa):
+        return True
+    if "avx512_bf16" not in cpu_flags:
+        return False
+    if not uncapped and not any(x in isa for x in ("BF16", "FP16", "AMX", "AVX10")):
+        return False  # capped below the bf16 dot-product instructions: emulated again
+    return (probe or bf16_matmul_speedup)() >= BF16_MIN_SPEEDUP
+
+
+@functools.cache
+def bf16_matmul_speedup(rows: int = 64, dim: int = 2048, reps: int = 5) -> float:
+    """fp32 time / bf16 time of a (rows x dim) @ (dim x dim) matmul on this CPU, best of `reps`
+    each after one warm-up (a decode step's shape; cached for the process)."""
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(rows, dim).to(dtype)
+        w = torch.randn(dim, dim).to(dtype)
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            torch.mm(a, w)
+            times.append(time.perf_counter() - t0)
+        best[dtype] = min(times[1:])
+    return best[torch.float32] / best[torch.bfloat16]
 
 
 def load_model(
