@@ -50,7 +50,9 @@ def engine_pid(server_pid: int) -> int:
     return int(kids[0])
 
 
-def stall_later(pid: int, at_s: list[float], stall_s: float) -> threading.Thread:
+def stall_later(pid: int, at_s: list[float], stall_s: float) -> None:
+    """Freeze `pid` for `stall_s` at each of `at_s` seconds from now (in a daemon thread)."""
+
     def run() -> None:
         start = time.monotonic()
         for t in sorted(at_s):
@@ -59,9 +61,7 @@ def stall_later(pid: int, at_s: list[float], stall_s: float) -> threading.Thread
             time.sleep(stall_s)
             os.kill(pid, signal.SIGCONT)
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+    threading.Thread(target=run, daemon=True).start()
 
 
 def timeline(lv: bg.OpenLevel, sla_s: float, seconds: float) -> str:
@@ -97,11 +97,12 @@ def main() -> int:
     cmd += ["--log-level", "warning", "--port", str(port), *a.server_arg]
     log = Path("/tmp") / f"goodput-repeat-{port}.log"
     w = bg.WORKLOADS[a.workload]
+    stall_at = [float(x) for x in a.stall_at_s.split(",")]
     with serving("server", cmd, log, url + "/ready") as proc:
+        engine = engine_pid(proc.popen.pid)
         for i in range(a.runs):
             if a.stall_ms > 0:
-                at = [float(x) for x in a.stall_at_s.split(",")]
-                stall_later(engine_pid(proc.popen.pid), at, a.stall_ms / 1e3)
+                stall_later(engine, stall_at, a.stall_ms / 1e3)
             level = bg.measured_level(
                 url, w, a.rate, a.level_s, a.sla_ms / 1e3, 400 + i, not a.no_deadline_header
             )

@@ -250,6 +250,12 @@ def _sweep(srv: AnyServer, seconds: float, steps: int, out_dir: Path) -> dict[st
     return out
 
 
+def _dataset_load(url: str, prof: Profile, bodies: Path) -> LoadConfig:
+    """tailguard load streaming the completions in `bodies`, in file order."""
+    return LoadConfig(url, prof, endpoint="completions", stream=True,
+                      source=SourceSpec(dataset=str(bodies)), timeout_s=60)  # fmt: skip
+
+
 def _cross_check_one(
     srv: AnyServer,
     venv: Path,
@@ -277,8 +283,7 @@ def _cross_check_one(
     else:
         seed = next(s for s in range(100_000) if _arrivals(rate, n, s) == n)
         prof = Profile("poisson", rate=rate, duration_s=n / rate, seed=seed)
-    cfg = LoadConfig(srv.url, prof, endpoint="completions", stream=True,
-                     source=SourceSpec(dataset=str(ours_file)), timeout_s=60)  # fmt: skip
+    cfg = _dataset_load(srv.url, prof, ours_file)
     out = out_dir / f"vllm_{arrivals}_{rate:g}.json"
 
     def run_ours() -> dict[str, Any]:
@@ -332,8 +337,7 @@ def _cross_check_concurrent(
     half = rate / 2
     n_ours = sum(1 for _ in ours_file.open())
     prof = Profile("constant", rate=half, duration_s=n_ours / half)
-    cfg = LoadConfig(srv.url, prof, endpoint="completions", stream=True,
-                     source=SourceSpec(dataset=str(ours_file)), timeout_s=60)  # fmt: skip
+    cfg = _dataset_load(srv.url, prof, ours_file)
     result: dict[str, Any] = {}
     before: list[Any] = []
 
@@ -354,7 +358,7 @@ def _cross_check_concurrent(
     worker.join()
     ours = result["ours"]
     ours["server_mean_ttft_ms"] = theirs["server_mean_ttft_ms"] = _server_ttft(srv.url, before[0])
-    check = {"rate": rate, "requests": n, "arrivals": "concurrent", "vllm_first": True}
+    check = {"rate": rate, "requests": n, "arrivals": "concurrent"}
     return _report(check, ours, theirs)
 
 

@@ -56,8 +56,8 @@ def test_the_bound_never_falls_as_the_prediction_grows() -> None:
 
 def _stalled_sparse_class(tail_samples: int) -> Calibration:
     """A dense 10-ms class (300 answers 5-9 ms late) beside a sparse 20-ms one (40 answers
-    10-14 ms late) that one stall made 155 ms late once: the state that held admission at 0.6
-    of its goodput for 30 s (session 27)."""
+    10-14 ms late) that one stall made 155 ms late once: the state that held admission at 0.76-0.89
+    of its goodput (session 27)."""
     c = cal(quantile=0.99, window=512, min_samples=32, tail_samples=tail_samples)
     for i in range(300):
         c.observe(0.008, 0.008 + 0.005 + 0.001 * (i % 5), now_s=i * 0.01)

@@ -209,8 +209,9 @@ class Calibration:
     `tail_samples / (1 - quantile)` samples): a class of 40 samples plans at 0.99 for its
     largest one, and after one stall of the machine that is the stall. Every request of that
     size and above was then refused, so the class got no sample to correct it until the stall
-    aged out (measured, session 27: one 150 ms SIGSTOP of the engine at 4x overload held infer
-    goodput at 0.6-0.75 of the target for the next 30 s, admitting only 10-ms predictions).
+    aged out (measured, session 27: after a 150 ms SIGSTOP of the engine at 4x overload, infer
+    goodput stayed at 0.76-0.89 of the target in the runs that followed, admitting only
+    predictions under 10 ms).
     A stall hits whatever is in flight, so its share of misses is its share of *time*, which a
     sparse class overstates many times over; a class whose answers really run later than its
     neighbours' keeps that in the pool's tail as long as they are a `1 - quantile` share of it.
@@ -245,8 +246,8 @@ class Calibration:
         # every smaller class
         self._own: list[list[float | None]] = [[None] * n for _ in range(m)]
         self._floor: list[list[float]] = [[0.0] * n for _ in range(m)]
-        # each class's excess sorted (None: fewer than min_samples), and its quantiles (own or
-        # its pool's), one per ladder level
+        # each class's excess sorted (None: fewer than min_samples), and its quantiles (its own,
+        # or its pool's when it is sparse), one per ladder level
         self._sorted: list[list[float] | None] = [None] * n
         self._class_ladder: list[tuple[float, ...] | None] = [None] * n
         self.live_excess_s = 0.0
@@ -296,12 +297,13 @@ class Calibration:
         for k in self._dirty:  # only the classes that changed are sorted again
             d = self._samples[k]
             # every 5 ms: map, not a generator
-            self._sorted[k] = sorted(map(_excess, d)) if len(d) >= self.min_samples else None
-        self._dirty.clear()
-        for k, ordered in enumerate(self._sorted):
-            if ordered is not None and len(ordered) < self._pool_size:
-                ordered = self._pooled(k, ordered)
+            ordered = sorted(map(_excess, d)) if len(d) >= self.min_samples else None
+            self._sorted[k] = ordered
             self._class_ladder[k] = None if ordered is None else self._quantiles(ordered)
+        self._dirty.clear()
+        for k, ordered in enumerate(self._sorted):  # sparse ones again: a neighbour may have moved
+            if ordered is not None and len(ordered) < self._pool_size:
+                self._class_ladder[k] = self._quantiles(self._pooled(k, ordered))
         for level in range(len(self.ladder)):
             self._spread(level)
 
