@@ -62,7 +62,7 @@ async def test_client_streams_aborts_and_survives_engine_death(tiny_model_dir: P
         # abort mid-stream by closing the iterator: blocks go back to the pool
         it = client.submit(req("long", max_tokens=500))
         await it.__anext__()
-        await it.aclose()  # type: ignore[attr-defined]
+        await it.aclose()
         for _ in range(50):
             await asyncio.sleep(0.05)
             if client.stats.kv_blocks_used == 0 and client.stats.aborted_total >= 1:

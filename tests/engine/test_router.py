@@ -54,7 +54,7 @@ async def test_closing_a_stream_early_aborts_it() -> None:
     await asyncio.sleep(0)
     e.router.deliver([_out("a", 7)])
     await pending
-    await it.aclose()  # type: ignore[attr-defined]
+    await it.aclose()
     assert e.aborted == ["a"] and len(e.router) == 0
 
 

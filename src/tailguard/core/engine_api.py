@@ -6,11 +6,22 @@ server tests (`tailguard.server.simulated.SimulatedEngineClient`) implement.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Protocol
 
 from tailguard.core.request import EngineOutput, EngineRequest
 from tailguard.core.stats import EngineStats
+
+
+class EngineStream(Protocol):
+    """One submitted request's outputs: an async iterator that can be closed early."""
+
+    def __aiter__(self) -> EngineStream: ...
+
+    async def __anext__(self) -> EngineOutput: ...
+
+    async def aclose(self) -> None:
+        """Stop reading: a request not finished yet is aborted in the engine."""
 
 
 class EngineClientProtocol(Protocol):
@@ -25,7 +36,7 @@ class EngineClientProtocol(Protocol):
     async def close(self) -> None:
         """Stop the engine; in-flight requests finish with EngineUnavailableError."""
 
-    def submit(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    def submit(self, request: EngineRequest) -> EngineStream:
         """Submit one request and iterate its outputs until one has finished=True.
 
         Closing the iterator early (client disconnect, cancellation) aborts the request in the
@@ -37,7 +48,7 @@ class EngineClientProtocol(Protocol):
     async def run(self, request: EngineRequest) -> EngineOutput:
         """A single-pass request (score or embed): its one, final output.
 
-        The hot path of /v1/infer: one future instead of a queue and an async generator.
+        The hot path of /v1/infer: one future instead of a queue and a stream.
         Cancelling the await aborts the request in the engine. A failed request returns its
         final output with the failure's finish_reason; a dead engine raises
         EngineUnavailableError.

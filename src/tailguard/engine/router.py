@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from tailguard.core.request import EngineOutput, EngineRequest
 from tailguard.errors import EngineUnavailableError
 
-__all__ = ["RequestRouter", "RoutedClient"]
+__all__ = ["OutputStream", "RequestRouter", "RoutedClient"]
 
 
 class RequestRouter:
@@ -60,29 +60,10 @@ class RequestRouter:
             if not w.done():
                 w.set_exception(EngineUnavailableError(why))
 
-    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """Send `request`; its outputs until the finished one. Closing early aborts it."""
-        rid = request.request_id
-        if rid in self._queues or rid in self._waiters:
-            raise ValueError(f"request id {rid!r} is already in flight")
-        q: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
-        self._queues[rid] = q
-        finished = False
-        try:
-            self._send(request)
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine that held it is gone
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._queues.pop(rid, None)
-            if not finished:
-                self._abort(rid)
+    def stream(self, request: EngineRequest) -> OutputStream:
+        """Send `request` (on the first read); its outputs until the finished one. Closing it
+        early (`aclose`) aborts it."""
+        return OutputStream(self, request)
 
     async def single(self, request: EngineRequest) -> EngineOutput:
         """Send a single-pass `request`; its one output. Cancelling aborts it."""
@@ -100,6 +81,62 @@ class RequestRouter:
             raise
         finally:
             self._waiters.pop(rid, None)
+
+
+class OutputStream:
+    """One streamed request's outputs, until the finished one: an async iterator (a class, not
+    an async generator, so that the module compiles with mypyc). Nothing is sent before the
+    first read; `aclose()` before the finished output aborts the request in the engine."""
+
+    __slots__ = ("_closed", "_queue", "_request", "_router")
+
+    def __init__(self, router: RequestRouter, request: EngineRequest) -> None:
+        self._router = router
+        self._request = request
+        self._queue: asyncio.Queue[EngineOutput | BaseException] | None = None
+        self._closed = False  # finished, failed or closed: nothing more to read or abort
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> EngineOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        q = self._queue
+        if q is None:
+            q = self._queue = self._open()
+        item = await q.get()
+        if isinstance(item, BaseException):
+            self._finish()  # the engine that held it is gone: nothing to abort
+            raise item
+        if item.finished:
+            self._finish()
+        return item
+
+    async def aclose(self) -> None:
+        if self._queue is not None and not self._closed:
+            self._finish()
+            self._router._abort(self._request.request_id)
+        self._closed = True
+
+    def _open(self) -> asyncio.Queue[EngineOutput | BaseException]:
+        router, rid = self._router, self._request.request_id
+        if rid in router._queues or rid in router._waiters:
+            self._closed = True
+            raise ValueError(f"request id {rid!r} is already in flight")
+        q: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
+        router._queues[rid] = q
+        try:
+            router._send(self._request)
+        except BaseException:
+            self._finish()
+            router._abort(rid)
+            raise
+        return q
+
+    def _finish(self) -> None:
+        self._closed = True
+        self._router._queues.pop(self._request.request_id, None)
 
 
 class RoutedClient:
@@ -127,7 +164,7 @@ class RoutedClient:
     def on_output(self, listener: Callable[[EngineOutput], None] | None) -> None:
         self._router.on_output = listener
 
-    def submit(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    def submit(self, request: EngineRequest) -> OutputStream:
         self._check_ready()
         return self._router.stream(request)
 

@@ -19,7 +19,7 @@ import itertools
 import operator
 import os
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ import orjson
 
 from tailguard.core.admission import AdmissionController
 from tailguard.core.calibration import RecentMax
-from tailguard.core.engine_api import EngineClientProtocol
+from tailguard.core.engine_api import EngineClientProtocol, EngineStream
 from tailguard.core.request import (
     EngineOutput,
     EngineRequest,
@@ -52,7 +52,7 @@ from tailguard.server.errors import engine_error
 from tailguard.server.metrics import ServerMetrics
 from tailguard.server.tokenizer import ModelInfo
 
-__all__ = ["Job", "Pipeline", "Ticket", "splice"]
+__all__ = ["Job", "Outputs", "Pipeline", "Ticket", "splice"]
 
 # No tokenizer makes more tokens than UTF-8 bytes; a few more for BOS and other special ones.
 SPECIAL_TOKENS = 8
@@ -118,6 +118,43 @@ class Ticket:
 
     async def __aexit__(self, *exc: object) -> None:
         self.release()
+
+
+class Outputs:
+    """An admitted generation's engine outputs (Pipeline.outputs): an engine failure raises its
+    typed error; the ticket is released with the finished output, before the consumer sees it
+    (a consumer may stop at the last output); `aclose()` before that aborts the request. A
+    class, not an async generator, so that this module compiles with mypyc."""
+
+    __slots__ = ("_done", "_stream", "_ticket")
+
+    def __init__(self, stream: EngineStream, ticket: Ticket) -> None:
+        self._stream = stream
+        self._ticket = ticket
+        self._done = False
+
+    def __aiter__(self) -> Outputs:
+        return self
+
+    async def __anext__(self) -> EngineOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._stream.__anext__()
+        except BaseException:
+            self._done = True
+            raise
+        if out.finished:
+            self._done = True
+            err = engine_error(out)
+            if err is not None:
+                raise err
+            self._ticket.release()
+        return out
+
+    async def aclose(self) -> None:
+        self._done = True
+        await self._stream.aclose()
 
 
 def splice(head: dict[str, Any], payload: bytes) -> bytes:
@@ -339,25 +376,10 @@ class Pipeline:
         return Ticket(req, self.admission)
 
     # ---- run ----------------------------------------------------------------------------------
-    async def outputs(self, ticket: Ticket) -> AsyncGenerator[EngineOutput, None]:
+    def outputs(self, ticket: Ticket) -> Outputs:
         """Engine outputs of one admitted generation; closing early aborts it in the engine.
-
-        Consume it inside `contextlib.aclosing`: leaving an async generator un-closed defers
-        its `finally` (the abort) to garbage collection.
-        """
-        agen = self.engine.submit(ticket.request)
-        try:
-            async for out in agen:
-                if out.finished:
-                    err = engine_error(out)
-                    if err is not None:
-                        raise err
-                    ticket.release()  # before the yield: a consumer may stop at the last output
-                yield out
-                if out.finished:
-                    return
-        finally:
-            await agen.aclose()  # type: ignore[attr-defined]
+        Consume it inside `contextlib.aclosing`, so that leaving early aborts at once."""
+        return Outputs(self.engine.submit(ticket.request), ticket)
 
     async def single(self, ticket: Ticket) -> EngineOutput:
         """The one output of a single-pass request (score, embed); cancelling aborts it. The
