@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lab": ("tailguard.tools.lab.cli", "reproduce each cause of a spike and prove the fix"),
     "deploy": ("tailguard.deploy.cli", "render Envoy config, check drift"),
     "fleet": ("tailguard.deploy.fleet", "start/stop replicas behind Envoy on this machine"),
+    "compiled": ("tailguard.compiled", "build or check the compiled (mypyc) request path"),
 }
 
 

@@ -329,7 +329,7 @@ async def test_intake_parses_a_bounded_slice_per_iteration_in_arrival_order() ->
         srv = HttpServer(app)
         a, b, c, gone = Conn("a"), Conn("b"), Conn("c"), Conn("gone")
         for conn, data in ((a, b"1"), (b, b"1"), (c, b"1"), (a, b"2"), (gone, b"1"), (b, b"2")):
-            srv.take(conn, data)  # type: ignore[arg-type]
+            srv.take(conn, data)
         assert fed == [("a", b"1"), ("b", b"1")]  # this iteration's slice
         gone.closed = True  # its client left while it waited: skipped, takes no slot
         await asyncio.sleep(0)

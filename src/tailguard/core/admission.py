@@ -348,6 +348,9 @@ class AdmissionController:
 
     def __post_init__(self) -> None:
         cfg = self.config
+        self.frontend_delay_s = (
+            0.0  # here too: a compiled (mypyc) dataclass skips init=False defaults
+        )
         rows = cfg.step_cost == "rows"
         self.cost = StepCostModel(
             cfg.prior_step_overhead_s,

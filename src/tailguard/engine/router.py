@@ -16,6 +16,8 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable
 
+from mypy_extensions import mypyc_attr
+
 from tailguard.core.request import EngineOutput, EngineRequest
 from tailguard.errors import EngineUnavailableError
 
@@ -139,6 +141,8 @@ class OutputStream:
         self._router._queues.pop(self._request.request_id, None)
 
 
+# compiled (tailguard.compiled), and subclassed by interpreted engine clients
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RoutedClient:
     """The request half of `EngineClientProtocol` on a RequestRouter (`submit`, `run`,
     `on_output`), shared by the engine clients: each sets `_router` and says when it takes

@@ -111,6 +111,12 @@ def run(args: argparse.Namespace) -> int:
             level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
         app = build_app(cfg)
+        from tailguard.compiled import status
+
+        compiled, why = status()
+        logging.getLogger("tailguard.server").info(
+            "request path: %s (%s)", "compiled (mypyc)" if compiled else "pure Python", why
+        )
     except TailguardError as e:
         print(f"tailguard serve: {e.message}", file=sys.stderr)
         return 2

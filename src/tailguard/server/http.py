@@ -26,14 +26,23 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tailguard.server.http_conn import HttpProtocol, date_header
 
 if TYPE_CHECKING:
     from tailguard.server.app import App
 
-__all__ = ["HttpProtocol", "HttpServer"]
+__all__ = ["Fed", "HttpProtocol", "HttpServer"]
+
+
+class Fed(Protocol):
+    """What the intake needs of a connection: HttpProtocol, or a recorder in a test."""
+
+    deferred: int  # chunks of it waiting in the intake
+    closed: bool
+
+    def feed(self, data: bytes, t_read: float) -> None: ...
 
 
 class HttpServer:
@@ -62,12 +71,12 @@ class HttpServer:
         self.per_iteration = cfg.handlers_per_iteration
         self._taken = 0  # data chunks taken up in this loop iteration
         # chunks left for later iterations, with the time they were read
-        self._inbox: deque[tuple[HttpProtocol, bytes, float]] = deque()
+        self._inbox: deque[tuple[Fed, bytes, float]] = deque()
         self._intake_wait = app.metrics.intake
         self._reset_pending = False
 
     # ---- intake: a bounded slice of newly read data per loop iteration -------------------------
-    def take(self, conn: HttpProtocol, data: bytes) -> None:
+    def take(self, conn: Fed, data: bytes) -> None:
         """Process `data` (parse, start handlers) now if this iteration has room, else later.
 
         Why: the kernel hands over everything that became readable at once. At the start of a

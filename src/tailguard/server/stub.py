@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import time
 
+from mypy_extensions import mypyc_attr
+
 from tailguard.core.request import (
     EngineOutput,
     EngineRequest,
@@ -73,6 +75,9 @@ def _single_pass_output(req: EngineRequest, queue_s: float, compute_s: float) ->
     return out
 
 
+@mypyc_attr(
+    allow_interpreted_subclasses=True
+)  # compiled (tailguard.compiled); subclassed in Python
 class StubEngineClient(RoutedClient):
     """Instant answers, no queue: the front-end benchmark's engine. Its answers reach their
     handlers through the same RequestRouter as the real engine client's (stamped, `on_output`

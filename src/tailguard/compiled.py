@@ -1,0 +1,256 @@
+"""The compiled request path: the server's hot modules built with mypyc, loaded when current.
+
+Why: on the 2-core machines this project runs on, the HTTP process's CPU per request decides
+the burst behaviour and the front-end benchmark. The request path is ~40 small steps of plain
+Python (parse, admission, pipeline, metrics, answer); mypyc compiles those same typed modules
+to C extensions, which cut the in-process app path from ~46 to ~26 us per request (measured,
+docs/benchmarks.md). Nothing is rewritten by hand: the sources stay the only truth.
+
+How it stays correct:
+- A build is keyed by the content of every `.py` file of the package (and the interpreter's
+  ABI): `$TAILGUARD_CACHE/compiled/<key>/` (default `~/.cache/tailguard/compiled`). At import,
+  `tailguard/__init__.py` computes the key of the sources it runs from and, only when a build
+  for exactly that key exists, puts a finder in front of `sys.meta_path` that loads the
+  compiled modules from it. Edit any source and the key changes: pure Python runs until the
+  next build (`make compiled`, which every make target that runs the server or the tests calls
+  first); a stale extension can never shadow an edited source.
+- `TAILGUARD_COMPILED=0` forces pure Python (debugging, profiling line by line).
+- A failed build (no C compiler) leaves pure Python running; `status()` says which is active
+  and `tailguard serve` logs it.
+
+    tailguard compiled build     # build for the current sources (a no-op if built)
+    tailguard compiled status    # which path is active, and why
+
+Only modules in `MODULES` are compiled: typed, no msgspec Structs defined in them (mypyc
+cannot compile those), no async generators (unsupported by mypyc), and no class the tests
+patch (server/tokenizer.py's SimpleTokenizer is spied on) or subclass in Python without
+`@mypyc_attr(allow_interpreted_subclasses=True)`. This module itself is never compiled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import argparse
+
+# Imported by `import tailguard`, so kept light: no importlib.abc (it pulls importlib.resources,
+# ~20 ms), shutil and tempfile only when building.
+
+__all__ = ["MODULES", "add_arguments", "build", "install", "run", "status"]
+
+MODULES = (
+    "tailguard.core.admission",
+    "tailguard.core.calibration",
+    "tailguard.engine.router",
+    "tailguard.server.app",
+    "tailguard.server.cache",
+    "tailguard.server.call",
+    "tailguard.server.errors",
+    "tailguard.server.generate",
+    "tailguard.server.handlers",
+    "tailguard.server.http",
+    "tailguard.server.http_conn",
+    "tailguard.server.http_read",
+    "tailguard.server.metrics",
+    "tailguard.server.pipeline",
+    "tailguard.server.quota",
+    "tailguard.server.stub",
+    "tailguard.server.text",
+)
+GROUP = "tailguard_compiled"  # mypyc's shared library: `tailguard_compiled__mypyc`
+ENV_SWITCH = "TAILGUARD_COMPILED"
+PACKAGE_DIR = Path(__file__).resolve().parent
+_KEEP_BUILDS = 3  # older builds (other source versions) are pruned past this many
+
+_state: dict[str, str] = {"active": "", "why": "not checked yet"}
+
+
+def cache_root() -> Path:
+    """`$TAILGUARD_CACHE/compiled` (default `~/.cache/tailguard/compiled`)."""
+    root = os.environ.get("TAILGUARD_CACHE") or str(Path.home() / ".cache" / "tailguard")
+    return Path(root) / "compiled"
+
+
+def source_key(package_dir: Path = PACKAGE_DIR) -> str:
+    """The key of a build: every `.py` file of the package (path and bytes), the interpreter's
+    ABI tag and the module list. Any edit anywhere gives a new key."""
+    h = hashlib.sha256()
+    h.update(f"{sys.implementation.cache_tag}|{_ext_suffix()}|{','.join(MODULES)}".encode())
+    files = []
+    for folder, dirs, names in os.walk(package_dir):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        files += [os.path.join(folder, n) for n in names if n.endswith(".py")]
+    base = len(str(package_dir)) + 1
+    for path in sorted(files):
+        h.update(path[base:].encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def _ext_suffix() -> str:
+    return importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def _module_file(build_dir: Path, name: str) -> Path:
+    return build_dir.joinpath(*name.split(".")).with_name(name.rsplit(".", 1)[-1] + _ext_suffix())
+
+
+class _Finder:
+    """Loads the compiled modules (and their shared library) from one build folder."""
+
+    def __init__(self, build_dir: Path) -> None:
+        self.build_dir = build_dir
+        self.files = {name: _module_file(build_dir, name) for name in MODULES}
+        self.files[f"{GROUP}__mypyc"] = build_dir / f"{GROUP}__mypyc{_ext_suffix()}"
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        file = self.files.get(fullname)
+        if file is None:
+            return None
+        loader = importlib.machinery.ExtensionFileLoader(fullname, str(file))
+        return importlib.util.spec_from_file_location(fullname, file, loader=loader)
+
+
+def _complete(build_dir: Path) -> bool:
+    finder_files = _Finder(build_dir).files.values()
+    return all(f.is_file() for f in finder_files)
+
+
+def install() -> bool:
+    """Called once by `tailguard/__init__.py`: use the build for these exact sources, if any.
+    Returns whether the compiled modules will be loaded."""
+    if _state["active"]:
+        return _state["active"] == "compiled"
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return _set("pure", f"{ENV_SWITCH}=0")
+    already = [m for m in MODULES if m in sys.modules]
+    if already:  # imported before the package: too late to choose (should not happen)
+        return _set("pure", f"imported before tailguard: {already[0]}")
+    try:
+        build_dir = cache_root() / source_key()
+    except OSError as e:
+        return _set("pure", f"sources unreadable ({e})")
+    if not _complete(build_dir):
+        return _set("pure", "no compiled build for these sources: run `make compiled`")
+    sys.meta_path.insert(0, _Finder(build_dir))
+    return _set("compiled", str(build_dir))
+
+
+def _set(active: str, why: str) -> bool:
+    _state["active"], _state["why"] = active, why
+    return active == "compiled"
+
+
+def status() -> tuple[bool, str]:
+    """(compiled modules active, where they come from or why not)."""
+    install()
+    return _state["active"] == "compiled", _state["why"]
+
+
+def loaded_compiled(module: ModuleType) -> bool:
+    """Whether `module` came from a compiled build (its file is an extension)."""
+    return str(getattr(module, "__file__", "")).endswith(_ext_suffix())
+
+
+def build(*, force: bool = False, opt_level: str = "3") -> Path:
+    """Build the compiled modules for the current sources into the cache (a no-op when that
+    build exists). Raises on failure (no compiler, mypyc error); nothing half-built is left."""
+    import shutil
+    import tempfile
+
+    key = source_key()
+    root = cache_root()
+    target = root / key
+    if _complete(target) and not force:
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"build-{key}-", dir=root) as tmp:
+        out = Path(tmp) / "out"
+        _run_mypyc(Path(tmp), out, opt_level)
+        if not _complete(out):
+            raise RuntimeError(f"mypyc finished but left no complete build in {out}")
+        if source_key() != key:
+            raise RuntimeError("the sources changed during the build; build again")
+        if target.exists():
+            shutil.rmtree(target)
+        out.rename(target)
+    _prune(root, keep=target)
+    return target
+
+
+def _run_mypyc(work: Path, out: Path, opt_level: str) -> None:
+    """mypyc on `MODULES` in a child process (setuptools' build_ext), output into `out`; the
+    sources are compiled where they are and never written to."""
+    import subprocess
+
+    paths = [str(PACKAGE_DIR.parent.joinpath(*m.split(".")).with_suffix(".py")) for m in MODULES]
+    script = work / "setup_compiled.py"
+    script.write_text(
+        "import sys\n"
+        "from setuptools import setup\n"
+        "from mypyc.build import mypycify\n"
+        f"paths = {paths!r}\n"
+        "setup(name='tailguard-compiled', ext_modules=mypycify(\n"
+        f"    ['--ignore-missing-imports', *paths], opt_level={opt_level!r},\n"
+        f"    group_name={GROUP!r}, target_dir={str(work / 'c')!r}),\n"
+        f"    script_args=['build_ext', '--build-lib', {str(out)!r},\n"
+        f"                 '--build-temp', {str(work / 'tmp')!r}])\n"
+    )
+    env = {**os.environ, ENV_SWITCH: "0"}
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        raise RuntimeError(f"mypyc build failed (exit {proc.returncode}):\n{tail}")
+
+
+def _prune(root: Path, keep: Path) -> None:
+    import shutil
+
+    builds = sorted(
+        (p for p in root.iterdir() if p.is_dir() and p != keep and not p.name.startswith("build-")),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for old in builds[_KEEP_BUILDS - 1 :]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    b = sub.add_parser("build", help="build for the current sources (a no-op if built)")
+    b.add_argument("--force", action="store_true", help="rebuild even if a build exists")
+    b.add_argument("--opt-level", default="3", choices="0123", help="C optimisation level")
+    sub.add_parser("status", help="which request path this process runs, and why")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "build":
+        try:
+            where = build(force=args.force, opt_level=args.opt_level)
+        except Exception as e:
+            print(f"tailguard: the compiled build failed; pure Python runs instead.\n{e}")
+            return 1
+        print(f"tailguard: compiled request path ready in {where}")
+        return 0
+    active, why = status()
+    print(f"{'compiled' if active else 'pure Python'}: {why}")
+    return 0
