@@ -8,12 +8,14 @@ All run as single-process servers on this machine in the same run, one after the
   adapter, i.e. what we would run if granian replaced our HTTP layer (server/http.py);
 - tailguard HTTP layer, echo: our own HTTP/1.1 layer (server/http*.py) with the echo in place
   of the App: what the layer itself costs per request, apart from the app path;
-- tailguard (stub engine): `tailguard serve --engine stub`, our own HTTP/1.1 layer.
+- tailguard (stub engine): `tailguard serve --engine stub`, our own HTTP/1.1 layer, on the
+  compiled request path when it is built (tailguard.compiled; the report says which);
+- tailguard, pure Python: the same with `TAILGUARD_COMPILED=0` (the compiled path's A/B).
 The model is replaced by the instant stub, so the figures are the front end's cost. The load
 generator is wrk (Debian package `wrk`), 64 keep-alive connections, POST /v1/infer.
 
     .venv/bin/python bench/bench_frontend.py [--duration 10] [--connections 64] [--no-granian]
-                                             [--ab-src ../other-checkout/src]
+                                             [--no-pure] [--ab-src ../other-checkout/src]
 
 Target: tailguard >= 0.5x the raw uvicorn echo's requests/s. The granian + App row says whether
 our own HTTP layer still earns its keep against a maintained server with its own limits.
@@ -31,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tailguard.compiled import ENV_SWITCH, status
 from tailguard.tools.lab.procs import free_port, serving
 
 RAW_APP = """
@@ -200,6 +203,7 @@ def granian_cmd(py: str, target: str, port: int) -> list[str]:
 
 
 Server = tuple[str, list[str], str]  # name, command, ready URL
+PURE = "tailguard, pure Python"
 
 
 def _servers(args: argparse.Namespace, tmp: str) -> list[Server]:
@@ -224,7 +228,9 @@ def _servers(args: argparse.Namespace, tmp: str) -> list[Server]:
     port = free_port()
     echo = [py, str(Path(tmp) / "tgecho.py"), str(port)]
     servers.append(("tailguard HTTP layer, echo", echo, url(port)))
-    names = ["tailguard (stub engine)"] + (["tailguard, --ab-src"] if args.ab_src else [])
+    names = ["tailguard (stub engine)"]
+    names += [] if args.no_pure else [PURE]
+    names += ["tailguard, --ab-src"] if args.ab_src else []
     for name in names:
         port = free_port()
         cmd = [py, "-m", "tailguard.cli", "serve", "--engine", "stub", "--port", str(port)]
@@ -252,6 +258,10 @@ def _report(args: argparse.Namespace, results: dict[str, dict[str, float]]) -> N
     if "granian + tailguard App" in results:
         own = tg / results["granian + tailguard App"]["rps"]
         print(f"tailguard / granian + tailguard App = {own:.2f}x (our HTTP layer vs granian's)")
+    compiled, why = status()
+    print(f"tailguard ran {'compiled (mypyc)' if compiled else 'as pure Python'}: {why}")
+    if PURE in results:
+        print(f"tailguard / tailguard pure Python = {tg / results[PURE]['rps']:.2f}x")
     if "tailguard, --ab-src" in results:
         ab = tg / results["tailguard, --ab-src"]["rps"]
         print(f"tailguard / tailguard from --ab-src = {ab:.2f}x")
@@ -262,6 +272,7 @@ def main() -> int:
     ap.add_argument("--duration", type=int, default=10)
     ap.add_argument("--connections", type=int, default=64)
     ap.add_argument("--no-granian", action="store_true", help="skip the two granian rows")
+    ap.add_argument("--no-pure", action="store_true", help="skip the pure-Python tailguard row")
     ap.add_argument(
         "--ab-src",
         metavar="DIR",
@@ -289,6 +300,8 @@ def main() -> int:
                 time.sleep(2)
             base = ready.rsplit("/", 1)[0]
             env = {"PYTHONPATH": path}
+            if name == PURE:
+                env[ENV_SWITCH] = "0"
             if name == "tailguard, --ab-src":
                 env = {"PYTHONPATH": os.pathsep.join([str(Path(args.ab_src).resolve()), path])}
             with serving(name, cmd, Path(tmp) / f"server{i}.log", ready, env=env):

@@ -22,8 +22,9 @@ How it stays correct:
     tailguard compiled status    # which path is active, and why
 
 Only modules in `MODULES` are compiled: typed, no msgspec Structs defined in them (mypyc
-cannot compile those), no async generators (unsupported by mypyc), and no class the tests
-patch (server/tokenizer.py's SimpleTokenizer is spied on) or subclass in Python without
+cannot compile those), no async generators (unsupported by mypyc), and no class that tests
+patch (a compiled class's methods cannot be replaced: tests/server/inproc.py spies on the
+tokenizer by wrapping it) or that Python code subclasses without
 `@mypyc_attr(allow_interpreted_subclasses=True)`. This module itself is never compiled.
 """
 
@@ -49,6 +50,7 @@ __all__ = ["MODULES", "add_arguments", "build", "install", "run", "status"]
 
 MODULES = (
     "tailguard.core.admission",
+    "tailguard.core.admission_config",
     "tailguard.core.calibration",
     "tailguard.engine.router",
     "tailguard.server.app",
@@ -65,6 +67,7 @@ MODULES = (
     "tailguard.server.quota",
     "tailguard.server.stub",
     "tailguard.server.text",
+    "tailguard.server.tokenizer",
 )
 GROUP = "tailguard_compiled"  # mypyc's shared library: `tailguard_compiled__mypyc`
 ENV_SWITCH = "TAILGUARD_COMPILED"

@@ -115,3 +115,34 @@ async def running_app(**kw: Any) -> Any:
         yield app
     finally:
         await app.shutdown()
+
+
+class SpyTokenizer:
+    """The app's tokenizer, recording what it is asked to encode (`encoded`: the text of each
+    `encode` and the last message of each chat template). Installed with `spy_tokenizer`:
+    the tokenizer may be a compiled class (tailguard.compiled), whose methods cannot be patched."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.bos_id, self.eos_id, self.vocab_size = inner.bos_id, inner.eos_id, inner.vocab_size
+        self.encoded: list[str] = []
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        self.encoded.append(text)
+        return list(self.inner.encode(text, add_bos))
+
+    def decode(self, ids: Any) -> str:
+        return str(self.inner.decode(ids))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        self.encoded.append(messages[-1]["content"])
+        return list(self.inner.apply_chat_template(messages))
+
+
+def spy_tokenizer(app: App) -> SpyTokenizer:
+    """Put a SpyTokenizer in front of the app's tokenizer (where the request path reads it)."""
+    from tailguard.server.tokenizer import ModelInfo
+
+    spy = SpyTokenizer(app.model.tokenizer)
+    app.model = app.pipeline.model = ModelInfo(spy, app.model.model_dir)
+    return spy

@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 import pytest
-from tests.server.inproc import make_config, request, running_app, until
+from tests.server.inproc import make_config, request, running_app, spy_tokenizer, until
 
 from tailguard.server.cli import build_app
 
@@ -388,15 +388,7 @@ def test_hot_histogram_counts_buckets_as_prometheus_client_does() -> None:
 
 async def test_a_saturated_server_turns_infer_away_before_tokenizing() -> None:
     async with running_app(max_queued_requests=1, simulated_tokens_per_s=100.0) as app:
-        seen: list[str] = []
-        tok = app.model.tokenizer
-        encode = tok.encode
-
-        def spy(text: str, add_bos: bool = True) -> list[int]:
-            seen.append(text)
-            return encode(text, add_bos)
-
-        tok.encode = spy  # type: ignore[method-assign]
+        seen = spy_tokenizer(app).encoded
         slow = {"prompt": "hello", "top_k": 1, "timeout": 30}
         first = asyncio.ensure_future(request(app, "POST", "/v1/infer", slow))
         await until(lambda: app.admission.queued_requests == 1)
@@ -433,21 +425,7 @@ async def test_a_request_that_waited_out_its_deadline_before_parsing_is_turned_a
 async def test_a_saturated_server_turns_requests_away_before_tokenizing_or_serves_cache() -> None:
     # 400 tokens/s: the first chat (32 tokens at its bucket) is answered within its 150 ms
     async with running_app(max_queued_requests=1, simulated_tokens_per_s=400.0) as app:
-        tok = app.model.tokenizer
-        seen: list[str] = []
-        encode, template = tok.encode, tok.apply_chat_template
-
-        def spy_encode(text: str, add_bos: bool = True) -> list[int]:
-            if not text.startswith("[INST]"):  # the simple chat template encodes through here
-                seen.append(text)
-            return encode(text, add_bos)
-
-        def spy_template(messages: list[dict[str, Any]]) -> list[int]:
-            seen.append(messages[-1]["content"])
-            return template(messages)
-
-        tok.encode = spy_encode  # type: ignore[method-assign]
-        tok.apply_chat_template = spy_template  # type: ignore[method-assign]
+        seen = spy_tokenizer(app).encoded
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
         first = await request(app, "POST", "/v1/chat/completions", chat)
         assert first.status == 200, first.body

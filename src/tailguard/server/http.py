@@ -26,12 +26,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from tailguard.server.http_conn import HttpProtocol, date_header
-
-if TYPE_CHECKING:
-    from tailguard.server.app import App
+from tailguard.server.http_read import Handler
 
 __all__ = ["Fed", "HttpProtocol", "HttpServer"]
 
@@ -48,7 +46,7 @@ class Fed(Protocol):
 class HttpServer:
     """What every connection shares: the app, limits, the live connections, the date header."""
 
-    def __init__(self, app: App) -> None:
+    def __init__(self, app: Handler) -> None:
         cfg = app.config
         self.app = app
         self.loop = asyncio.get_running_loop()

@@ -38,10 +38,11 @@ from tailguard.server.call import Call, Conn
 if TYPE_CHECKING:
     import asyncio
 
-    from tailguard.server.app import App
+    from tailguard.errors import TailguardError
+    from tailguard.server.config import ServerConfig
     from tailguard.server.metrics import ServerMetrics
 
-__all__ = ["BODY", "HEAD", "IDLE", "RequestReader", "RequestSink", "SharedState"]
+__all__ = ["BODY", "HEAD", "IDLE", "Handler", "RequestReader", "RequestSink", "SharedState"]
 
 log = logging.getLogger("tailguard.server")
 
@@ -49,12 +50,25 @@ log = logging.getLogger("tailguard.server")
 IDLE, HEAD, BODY = 0, 1, 2
 
 
+class Handler(Protocol):
+    """What the HTTP layer needs of the app: `App` (tailguard.server.app), or the echo that
+    bench/bench_frontend.py measures the layer with. A protocol, not `App`: the compiled
+    (mypyc) layer checks the argument types it is given."""
+
+    config: ServerConfig
+    metrics: ServerMetrics
+
+    def precheck(self, call: Call) -> TailguardError | None: ...
+
+    async def handle(self, call: Call) -> None: ...
+
+
 class SharedState(Protocol):
     """What a connection reads from the state all connections share (tailguard.server.http
     `HttpServer`), named here so the connection modules need not import the server module that
     imports them."""
 
-    app: App
+    app: Handler
     loop: asyncio.AbstractEventLoop
     metrics: ServerMetrics
     connections: set[Any]  # the live connections (http_conn.HttpProtocol, which imports this)

@@ -25,6 +25,7 @@ from tailguard.server.http import HttpServer
 
 if TYPE_CHECKING:
     from tailguard.server.app import App
+    from tailguard.server.http_read import Handler
 
 __all__ = ["Listener", "bind", "raise_nofile_limit", "serve", "start_server", "stop_server"]
 
@@ -136,7 +137,7 @@ def _ssl_context(certfile: str, keyfile: str) -> ssl.SSLContext:
 
 
 async def start_server(
-    app: App, sock: socket.socket
+    app: Handler, sock: socket.socket
 ) -> tuple[HttpServer, Listener, asyncio.Task[None]]:
     """Serve `app` on an already listening socket; for `serve` and in-process tests."""
     cfg = app.config
