@@ -20,6 +20,7 @@ BENCHES: dict[str, list[str]] = {
     "model": ["model_forward.py"],
     "engine": ["bench_engine.py"],
     "vllm": ["bench_vllm.py", "--engine-threads", "2"],  # skips vLLM without /work/vllm-venv
+    "app_path": ["bench_app_path.py"],
     "frontend": ["bench_frontend.py"],
     "overload": ["bench_overload.py"],
     "load": ["bench_load.py"],
