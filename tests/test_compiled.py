@@ -199,3 +199,19 @@ def test_an_incomplete_build_is_not_used(tmp_path: Path) -> None:
     victim = compiled._module_file(cache / "compiled" / src_build.name, compiled.MODULES[-1])
     victim.unlink()
     assert _status(SRC, env)[0] == "False"
+
+
+def test_old_builds_and_dead_work_folders_are_pruned(tmp_path: Path) -> None:
+    import time
+
+    root = tmp_path / "compiled"
+    root.mkdir()
+    now = time.time()
+    for i, name in enumerate(["a", "b", "c", "d", "keep"]):
+        (root / name).mkdir()
+        os.utime(root / name, (now - 100 + i, now - 100 + i))  # a oldest, keep newest
+    for name, age in (("build-x-old", 7200), ("build-y-running", 60)):
+        (root / name).mkdir()
+        os.utime(root / name, (now - age, now - age))
+    compiled._prune(root, keep=root / "keep")
+    assert sorted(p.name for p in root.iterdir()) == ["build-y-running", "c", "d", "keep"]

@@ -226,13 +226,22 @@ def _run_mypyc(work: Path, out: Path, opt_level: str) -> None:
 
 
 def _prune(root: Path, keep: Path) -> None:
+    """Keep the newest `_KEEP_BUILDS` builds (`keep` among them); drop the work folders of
+    builds that died (a killed `make`) once they are an hour old."""
     import shutil
+    import time
 
-    builds = sorted(
-        (p for p in root.iterdir() if p.is_dir() and p != keep and not p.name.startswith("build-")),
-        key=lambda p: p.stat().st_mtime,
-        reverse=True,
-    )
+    stale_work = time.time() - 3600
+    builds = []
+    for p in root.iterdir():
+        if not p.is_dir() or p == keep:
+            continue
+        if p.name.startswith("build-"):
+            if p.stat().st_mtime < stale_work:
+                shutil.rmtree(p, ignore_errors=True)
+            continue
+        builds.append(p)
+    builds.sort(key=lambda p: p.stat().st_mtime, reverse=True)
     for old in builds[_KEEP_BUILDS - 1 :]:
         shutil.rmtree(old, ignore_errors=True)
 

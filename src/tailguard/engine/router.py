@@ -88,7 +88,9 @@ class RequestRouter:
 class OutputStream:
     """One streamed request's outputs, until the finished one: an async iterator (a class, not
     an async generator, so that the module compiles with mypyc). Nothing is sent before the
-    first read; `aclose()` before the finished output aborts the request in the engine."""
+    first read; `aclose()` before the finished output aborts the request in the engine. Read it
+    inside `contextlib.aclosing`: unlike an async generator, a stream dropped unclosed is never
+    finalised, so its request would run on in the engine for nobody."""
 
     __slots__ = ("_closed", "_queue", "_request", "_router")
 
