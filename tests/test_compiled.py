@@ -17,41 +17,14 @@ from tailguard import compiled
 
 SRC = Path(tailguard.__file__).resolve().parent.parent
 
-# Answers of the server's endpoints (stub engine, in-process), minus what is fresh per answer.
+# Answers of the server's endpoints (stub engine, in-process, through tests/server/inproc.py),
+# minus what is fresh per answer.
 PROBE = r"""
-import asyncio, json, sys
+import asyncio, json
 from tailguard.compiled import status
-from tailguard.server.call import Call
-from tailguard.server.cli import build_app
-from tailguard.server.config import load_config
+from tests.server.inproc import request, running_app
 
 VOLATILE = {"id", "created", "timing"}
-
-def strip(x):
-    if isinstance(x, dict):
-        return {k: strip(v) for k, v in x.items() if k not in VOLATILE}
-    if isinstance(x, list):
-        return [strip(v) for v in x]
-    return x
-
-class Conn:
-    def __init__(self):
-        self.status, self.parts = 0, []
-    def send_response(self, call, status, headers, body):
-        self.status = status
-        self.parts.append(body)
-    def send_head(self, call, status, headers):
-        self.status = status
-    async def send_chunk(self, call, data, more):
-        self.parts.append(data)
-
-def decode(parts):
-    raw = b"".join(parts)
-    if raw.startswith(b"data: "):
-        events = [e[6:] for e in raw.split(b"\n\n")]
-        return [strip(json.loads(e)) for e in events if e not in (b"", b"[DONE]")]
-    return strip(json.loads(raw))
-
 CASES = [
     ("POST", "/v1/infer", {"prompt": "The quick brown fox", "top_k": 3, "embedding": True}),
     ("POST", "/v1/infer", {"input_ids": [5, 6, 7], "top_k": 2}),
@@ -68,22 +41,25 @@ CASES = [
     ("GET", "/v1/models", None),
 ]
 
+def strip(x):
+    if isinstance(x, dict):
+        return {k: strip(v) for k, v in x.items() if k not in VOLATILE}
+    if isinstance(x, list):
+        return [strip(v) for v in x]
+    return x
+
+def decode(raw):
+    if raw.startswith(b"data: "):
+        events = [e[6:] for e in raw.split(b"\n\n")]
+        return [strip(json.loads(e)) for e in events if e not in (b"", b"[DONE]")]
+    return strip(json.loads(raw))
+
 async def main():
-    app = build_app(load_config(None, {"engine": "stub", "log_level": "warning"}))
-    await app.startup()
-    for _ in range(500):
-        if app.engine.ready:
-            break
-        await asyncio.sleep(0.01)
     out = []
-    for method, path, body in CASES:
-        raw = body if isinstance(body, bytes) else json.dumps(body).encode() if body else b""
-        conn = Conn()
-        call = Call(method, path, {b"host": b"x"}, raw, "127.0.0.1", conn)
-        call.task = asyncio.current_task()
-        await app.handle(call)
-        out.append([method, path, conn.status, decode(conn.parts)])
-    await app.shutdown()
+    async with running_app(engine="stub", log_level="warning") as app:
+        for method, path, body in CASES:
+            r = await request(app, method, path, body)
+            out.append([method, path, r.status, decode(r.body)])
     print(json.dumps({"compiled": status()[0], "answers": out}))
 
 asyncio.run(main())
@@ -93,7 +69,7 @@ asyncio.run(main())
 def _probe(env: dict[str, str]) -> dict[str, object]:
     proc = subprocess.run(
         [sys.executable, "-c", PROBE],
-        env={**os.environ, **env},
+        env={**os.environ, "PYTHONPATH": str(SRC.parent), **env},  # tests.server.inproc
         capture_output=True,
         text=True,
         timeout=120,
@@ -196,7 +172,7 @@ def test_an_incomplete_build_is_not_used(tmp_path: Path) -> None:
     shutil.copytree(src_build, cache / "compiled" / src_build.name)
     env = {"TAILGUARD_CACHE": str(cache)}
     assert _status(SRC, env)[0] == "True"
-    victim = compiled._module_file(cache / "compiled" / src_build.name, compiled.MODULES[-1])
+    victim = compiled._build_files(cache / "compiled" / src_build.name)[compiled.MODULES[-1]]
     victim.unlink()
     assert _status(SRC, env)[0] == "False"
 

@@ -197,15 +197,13 @@ class AdmissionController:
 
     config: AdmissionConfig
     cost: StepCostModel = field(init=False)
-    frontend_delay_s: float = field(default=0.0, init=False)
+    frontend_delay_s: float = field(init=False)  # 0.0, set in __post_init__ (as `cost`)
     """Recent delay the HTTP process itself adds after the engine client has read an answer
     (event-loop lag, the time answers took to reach their handler); set by the server."""
 
     def __post_init__(self) -> None:
         cfg = self.config
-        self.frontend_delay_s = (
-            0.0  # here too: a compiled (mypyc) dataclass skips init=False defaults
-        )
+        self.frontend_delay_s = 0.0
         rows = cfg.step_cost == "rows"
         self.cost = StepCostModel(
             cfg.prior_step_overhead_s,

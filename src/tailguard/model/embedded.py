@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from importlib import resources
@@ -24,6 +23,7 @@ import numpy as np
 
 from tailguard.errors import ModelLoadError
 from tailguard.model.config import CONFIG_FILE, MistralConfig, hf_weight_shapes
+from tailguard.paths import cache_home
 
 __all__ = [
     "EMBEDDED_CONFIG",
@@ -68,8 +68,7 @@ def default_model_dir() -> Path:
     Lives in `$TAILGUARD_CACHE` (default `~/.cache/tailguard`) under a name that hashes the
     config, seed and generator version, so a change to any of them makes a new folder.
     """
-    root = os.environ.get("TAILGUARD_CACHE") or str(Path.home() / ".cache" / "tailguard")
-    return ensure_checkpoint(Path(root) / f"embedded-mistral-{_fingerprint()}")
+    return ensure_checkpoint(cache_home() / f"embedded-mistral-{_fingerprint()}")
 
 
 def ensure_checkpoint(

@@ -124,28 +124,21 @@ class Outputs:
     """An admitted generation's engine outputs (Pipeline.outputs): an engine failure raises its
     typed error; the ticket is released with the finished output, before the consumer sees it
     (a consumer may stop at the last output); `aclose()` before that aborts the request. A
-    class, not an async generator, so that this module compiles with mypyc."""
+    class, not an async generator, so that this module compiles with mypyc. It ends when the
+    engine stream ends (after the finished output)."""
 
-    __slots__ = ("_done", "_stream", "_ticket")
+    __slots__ = ("_stream", "_ticket")
 
     def __init__(self, stream: EngineStream, ticket: Ticket) -> None:
         self._stream = stream
         self._ticket = ticket
-        self._done = False
 
     def __aiter__(self) -> Outputs:
         return self
 
     async def __anext__(self) -> EngineOutput:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            out = await self._stream.__anext__()
-        except BaseException:
-            self._done = True
-            raise
+        out = await self._stream.__anext__()
         if out.finished:
-            self._done = True
             err = engine_error(out)
             if err is not None:
                 raise err
@@ -153,7 +146,6 @@ class Outputs:
         return out
 
     async def aclose(self) -> None:
-        self._done = True
         await self._stream.aclose()
 
 

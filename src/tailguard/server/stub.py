@@ -75,9 +75,8 @@ def _single_pass_output(req: EngineRequest, queue_s: float, compute_s: float) ->
     return out
 
 
-@mypyc_attr(
-    allow_interpreted_subclasses=True
-)  # compiled (tailguard.compiled); subclassed in Python
+# compiled (tailguard.compiled), and subclassed in Python (bench/bench_stream.py)
+@mypyc_attr(allow_interpreted_subclasses=True)
 class StubEngineClient(RoutedClient):
     """Instant answers, no queue: the front-end benchmark's engine. Its answers reach their
     handlers through the same RequestRouter as the real engine client's (stamped, `on_output`

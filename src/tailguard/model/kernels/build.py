@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from tailguard.paths import cache_home
+
 __all__ = ["Loader", "build_library", "default_cache_dir", "default_compiler"]
 
 log = logging.getLogger("tailguard.engine")
@@ -39,8 +41,7 @@ def default_compiler() -> str:
 def default_cache_dir() -> Path:
     """`$TAILGUARD_CACHE/kernels` (default `~/.cache/tailguard/kernels`), beside the
     embedded checkpoint."""
-    root = os.environ.get("TAILGUARD_CACHE") or str(Path.home() / ".cache" / "tailguard")
-    return Path(root) / "kernels"
+    return cache_home() / "kernels"
 
 
 def _cpu_flags() -> str:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tailguard.paths import cache_home
+
 __all__ = ["SERVED_NAME", "VLLM_ENV", "checkpoint", "vllm_command", "vllm_python", "vllm_venv"]
 
 SERVED_NAME = "tailguard-embedded"  # the name tailguard serves the embedded model under
@@ -37,8 +39,7 @@ def checkpoint() -> Path:
     """The embedded model as a checkpoint folder vLLM can load (written once, then cached)."""
     from tailguard.model.synth import synth
 
-    root = Path(os.environ.get("TAILGUARD_CACHE") or Path.home() / ".cache" / "tailguard")
-    folder = root / "bench-embedded"
+    folder = cache_home() / "bench-embedded"
     if not (folder / "config.json").is_file():
         synth("embedded", folder)
     return folder
