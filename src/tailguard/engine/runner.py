@@ -36,12 +36,20 @@ from tailguard.engine.sampling import greedy_rows, sample_rows
 from tailguard.model.batch import NULL_BLOCK, AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
 from tailguard.model.kernels import (
-    SmallMKernel,
+    LinearKernel,
+    load_bf16_kernel,
     load_decode_stack,
     load_row_kernel,
     load_small_m_kernel,
 )
-from tailguard.model.loader import best_cpu_dtype, load_model, resolve_dtype
+from tailguard.model.loader import (
+    best_cpu_dtype,
+    load_model,
+    onednn_isa_cap,
+    onednn_uses_amx,
+    read_cpu_flags,
+    resolve_dtype,
+)
 from tailguard.model.mistral import DecoderLayer, allocate_kv_cache, attention_mask
 
 log = logging.getLogger("tailguard.engine")
@@ -98,7 +106,8 @@ class ModelRunner:
         self._device_allocs_before_kv = _device_allocs(self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.layout = self._allocate_kv()
-        if config.fused_decode and self.small_m_kernel is not None and self.row_kernel is not None:
+        fp32_kernel = self.small_m_kernel is not None and self.small_m_kernel.dtype == torch.float32
+        if config.fused_decode and fp32_kernel and self.row_kernel is not None:
             self.model.use_decode_stack(load_decode_stack(), self.kv_caches)
         self._pool_sums: dict[str, torch.Tensor] = {}  # request id -> running hidden sum (fp32)
         self._generators: dict[str, torch.Generator] = {}  # seeded sampling, per request
@@ -112,20 +121,27 @@ class ModelRunner:
         self.headroom_bytes = 0  # CUDA: allocator cache reserved after warm-up
         self.warmup_phases: dict[str, float] = {}  # seconds per warm-up phase
 
-    def _small_m_kernel(self) -> SmallMKernel | None:
-        """The small-M kernel where the config asks for it and it applies (CPU fp32), else
-        None; a wrong dtype or device is said once here, a failed build by the loader."""
+    def _small_m_kernel(self) -> LinearKernel | None:
+        """Our own linear kernel where the config asks for it and it applies, else None: CPU
+        fp32 (gemv.c), or CPU bf16 where oneDNN has no AMX tiles to run it on (gemv_bf16.c;
+        with AMX oneDNN's bf16 matmul is the faster one). A dtype or device it does not cover
+        is said once here, a failed build or a CPU without AVX512-BF16 by the loader."""
         if not self.config.small_m_kernel:
             return None
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            log.warning(
-                "tailguard: small-M kernel is for CPU fp32, this engine runs %s on %s: "
-                "using oneDNN / the device's matmuls",
-                self.dtype,
-                self.device,
-            )
-            return None
-        return load_small_m_kernel()
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            return load_small_m_kernel()
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            if onednn_uses_amx(read_cpu_flags(), onednn_isa_cap()):
+                log.info("tailguard: bf16 on AMX tiles: oneDNN's matmuls, not the bf16 kernel")
+                return None
+            return load_bf16_kernel()
+        log.warning(
+            "tailguard: our linear kernels are for CPU fp32 and bf16, this engine runs %s on "
+            "%s: using the device's matmuls",
+            self.dtype,
+            self.device,
+        )
+        return None
 
     # ---- memory --------------------------------------------------------------------------
     def _allocate_kv(self) -> KVLayout:

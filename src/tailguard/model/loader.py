@@ -22,7 +22,15 @@ from tailguard.errors import ModelLoadError
 from tailguard.model.config import SUPPORTED_DTYPES, MistralConfig, hf_weight_shapes
 from tailguard.model.mistral import MistralModel
 
-__all__ = ["best_cpu_dtype", "bf16_is_faster", "load_model", "resolve_dtype"]
+__all__ = [
+    "best_cpu_dtype",
+    "bf16_is_faster",
+    "load_model",
+    "onednn_isa_cap",
+    "onednn_uses_amx",
+    "read_cpu_flags",
+    "resolve_dtype",
+]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -56,16 +64,30 @@ def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[key]
 
 
+def read_cpu_flags() -> list[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        return Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return []
+
+
+def onednn_isa_cap() -> str:
+    """ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA), the cap on what oneDNN may use; "" if unset."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+
+
+def onednn_uses_amx(flags: Collection[str], onednn_max_isa: str = "") -> bool:
+    """True where the CPU has AMX bf16 tiles and oneDNN is not capped below them."""
+    isa = onednn_max_isa.strip().upper()
+    return "amx_bf16" in flags and (isa in ("", "ALL", "DEFAULT") or "AMX" in isa)
+
+
 def best_cpu_dtype() -> torch.dtype:
     """bf16 where it is faster than fp32 on this CPU (`bf16_is_faster`), else fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        flags = []
-    isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
     if not torch.backends.mkldnn.is_available():
         return torch.float32
-    return torch.bfloat16 if bf16_is_faster(flags, isa) else torch.float32
+    return torch.bfloat16 if bf16_is_faster(read_cpu_flags(), onednn_isa_cap()) else torch.float32
 
 
 BF16_MIN_SPEEDUP = 1.15
@@ -100,7 +122,7 @@ def bf16_is_faster(
     """
     isa = onednn_max_isa.strip().upper()
     uncapped = isa in ("", "ALL", "DEFAULT")
-    if "amx_bf16" in cpu_flags and (uncapped or "AMX" in isa):
+    if onednn_uses_amx(cpu_flags, isa):
         return True
     if "avx512_bf16" not in cpu_flags:
         return False

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from tailguard.model.batch import AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
-from tailguard.model.kernels import DecodeStack, RowKernel, SmallMKernel
+from tailguard.model.kernels import DecodeStack, LinearKernel, RowKernel
 from tailguard.model.kernels.decode import LayerRefs, StackDims
 from tailguard.model.kernels.rows import MAX_BF16_HEAD_DIM, MAX_REP
 
@@ -133,20 +133,20 @@ class PackedLinear(nn.Module):
 
 
 class KernelLinear(nn.Module):
-    """A bias-free fp32 linear on our own kernel's weight layout (kernels/gemv.c), run on the
-    kernel for every row count. One copy of the weight: the panels replace the plain [out,
-    in] weight.
+    """A bias-free linear on one of our own kernels' weight layouts, run on the kernel for
+    every row count: kernels/gemv.c (fp32) or kernels/gemv_bf16.c (bf16, AVX512-BF16 without
+    AMX). One copy of the weight: the panels replace the plain [out, in] weight.
 
-    Why: at decode sizes oneDNN's fp32 kernel streams the weights at 50-75% of the read
-    bandwidth; the kernel reaches about all of it up to 8 rows and beats oneDNN up to 64
-    (docs/benchmarks.md, issue 12, session 21). Above that the work is compute-bound: per
-    matmul the kernel measured from 10% faster to 23% slower than oneDNN in two noisy micro
-    runs, and the 246M model's 8 x 32-token prefill step the same (417-444 vs 378-427 ms). A
-    batched matmul over the panels, the first dispatch above 64 rows, ran the embedded model's
-    generation benchmark 10-13% slower.
+    Why: at decode sizes oneDNN's small-M kernels stream the weights at 50-75% of the read
+    bandwidth; ours reach about all of it up to 8 rows and beat oneDNN up to 64
+    (docs/benchmarks.md, issue 12, sessions 21 and 30). Above that the work is compute-bound:
+    fp32, per matmul from 10% faster to 23% slower than oneDNN in two noisy micro runs, and the
+    246M model's 8 x 32-token prefill step the same (417-444 vs 378-427 ms); bf16 on Zen 4,
+    equal at 256 rows (~425 GFLOP/s each). A batched matmul over the fp32 panels, the first
+    dispatch above 64 rows, ran the embedded model's generation benchmark 10-13% slower.
     """
 
-    def __init__(self, weight: Tensor, kernel: SmallMKernel) -> None:
+    def __init__(self, weight: Tensor, kernel: LinearKernel) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
@@ -422,7 +422,9 @@ class MistralModel(nn.Module):
             and stack.lanes == self.row_kernel.lanes
             and len(layers) == len(kv_caches) > 0
             and all(
-                isinstance(lin, KernelLinear) and lin.kernel.width == stack.width
+                isinstance(lin, KernelLinear)
+                and lin.kernel.dtype == torch.float32  # decode.c is fp32
+                and lin.kernel.width == stack.width
                 for four in linears
                 for lin in four
             )
@@ -465,16 +467,17 @@ class MistralModel(nn.Module):
         )  # fmt: skip
         return self.norm(x)
 
-    def prepack(self, pack: bool = True, kernel: SmallMKernel | None = None) -> None:
+    def prepack(self, pack: bool = True, kernel: LinearKernel | None = None) -> None:
         """Replace every projection and the output head by faster linears (CPU inference).
 
-        kernel: our small-M kernel's layout (`KernelLinear`, fp32 only). Else, with `pack`,
+        kernel: one of our kernels' layouts (`KernelLinear`), where its dtype is the model's
+        (the runner picks it, saying why when there is none). Else, with `pack`,
         oneDNN-packed weights (`PackedLinear`). The plain weights are dropped (tied: the
         embedding stays), so `load_hf_weights` and `state_dict` no longer apply. Inference
         only, after loading; idempotent; a no-op where neither applies.
         """
-        if kernel is not None and self.dtype != torch.float32:
-            kernel = None  # the kernel is fp32 only; the runner says so before calling
+        if kernel is not None and kernel.dtype != self.dtype:
+            kernel = None  # the runner says so before calling
         pack = pack and can_prepack(self.dtype, self.device)
         if self._head_packed is not None or not (pack or kernel is not None):
             return

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -23,6 +24,7 @@ from tailguard.model.kernels.build import Loader
 
 __all__ = [
     "MAX_M",
+    "LinearKernel",
     "PanelWeight",
     "SmallMKernel",
     "load_small_m_kernel",
@@ -53,8 +55,22 @@ class PanelWeight:
         return self.panels.numel() * self.panels.element_size()
 
 
+class LinearKernel(Protocol):
+    """A linear of our own in one dtype: weights packed once, then y = x @ w^T for any M
+    (SmallMKernel: fp32; small_m_bf16.Bf16Kernel: bf16)."""
+
+    dtype: torch.dtype
+    width: int  # output columns per panel
+
+    def pack(self, w: Tensor) -> PanelWeight: ...
+
+    def linear(self, x: Tensor, w: PanelWeight, threads: int | None = None) -> Tensor: ...
+
+
 class SmallMKernel:
     """y = x @ w^T for fp32 x [M, K] (any M) and w packed once by `pack` from [N, K]."""
+
+    dtype = torch.float32
 
     def __init__(self, lib: ctypes.CDLL, path: Path, max_m: int = MAX_M) -> None:
         self.path = path

@@ -1,0 +1,229 @@
+/* Small-M bf16 linear: y[M, N] = x[M, K] @ W[N, K]^T, bf16 in and out, fp32 sums, for CPUs
+ * with AVX512-BF16 (vdpbf16ps) and no AMX tiles (AMD Zen 4, Intel Cooper Lake).
+ *
+ * Why our own: at decode sizes the product is a few multiply-adds per weight, so the job is
+ * to read every weight once at the memory's rate. oneDNN's bf16 kernel on a 2-core Zen 4
+ * streams an 8-row decode's weights at ~19 GB/s of the 35 GB/s the cores can read
+ * (docs/benchmarks.md, issue 12, session 30).
+ *
+ * Weight layout (tg_bf16_pack): panels of P = 32 output columns, each [K/2][P][2] bf16: at
+ * every pair of k, the P columns' two weights side by side, which is vdpbf16ps's operand
+ * layout (each fp32 lane sums two products). A panel is one sequential stream; each k-pair is
+ * two 64-byte vector loads, each multiplied into MB rows of x whose (k, k+1) pair is
+ * broadcast as one 32-bit value, so 2 x MB fp32 accumulators live in registers and one load
+ * feeds MB instructions (of 32 multiply-adds each). K is padded to even with a zero weight.
+ *
+ * Up to MB_MAX rows x is read in place (decode sizes: every weight is read exactly once).
+ * Above, x is copied into chunks [K/2][MB_MAX] of pairs, and each panel runs against a group
+ * of chunks that fits in L2 while it is in L1/L2.
+ *
+ * Threads: contiguous panel ranges, one per OpenMP thread (torch's libgomp serves the region
+ * in a process that imported torch: one thread pool).
+ *
+ * Sums are fp32 in the kernel's own order and rounded to bf16 once (round to nearest even), as
+ * oneDNN's bf16 matmul does; the two differ by summation order only.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define TG_BF16 1
+#else
+#define TG_BF16 0
+#endif
+
+#define P 32           /* output columns per panel: two vectors of 16 fp32 lanes */
+#define MB_MAX 12      /* 24 accumulators + 2 weights + a broadcast within 32 registers */
+#define L2_X_BYTES (512 * 1024)
+#ifndef PF_PAIRS
+#define PF_PAIRS 64 /* software prefetch distance in k-pairs (8 KiB of the panel stream) */
+#endif
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+int tg_bf16_panel_width(void) { return P; }
+int tg_bf16_supported(void) { return TG_BF16; }
+
+/* wp[(n / P) * Kp * 2P + kp * 2P + (n % P) * 2 + (k & 1)] = w[n * K + k], Kp = ceil(K / 2),
+ * zero-padded to whole panels and to an even K. */
+void tg_bf16_pack(const uint16_t *w, uint16_t *wp, long N, long K) {
+    long panels = (N + P - 1) / P, kp_n = (K + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (long p = 0; p < panels; p++) {
+        uint16_t *dst = wp + p * kp_n * 2 * P;
+        for (long kp = 0; kp < kp_n; kp++)
+            for (long j = 0; j < P; j++)
+                for (long h = 0; h < 2; h++) {
+                    long n = p * P + j, k = 2 * kp + h;
+                    dst[kp * 2 * P + j * 2 + h] = n < N && k < K ? w[n * K + k] : 0;
+                }
+    }
+}
+
+#if TG_BF16
+
+/* Round 16 fp32 lanes to bf16 and store them (a partial store for the last panel). */
+ALWAYS_INLINE void store16(uint16_t *dst, __m512 v, long valid) {
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    if (valid >= 16)
+        _mm256_storeu_si256((__m256i *)dst, h);
+    else if (valid > 0)
+        _mm256_mask_storeu_epi16(dst, (__mmask16)((1u << valid) - 1), h);
+}
+
+/* One panel against MB rows of x into y[0..MB)[n0..n0+nvalid). With DIRECT x is the rows
+ * themselves (ldx apart, K even, read as 32-bit pairs), else a chunk [Kp][MB] of pairs. */
+ALWAYS_INLINE void panel(const uint16_t *restrict x, long ldx, const uint16_t *restrict wp,
+                         long kp_n, uint16_t *restrict y, long ldy, long nvalid, const int MB,
+                         const int DIRECT) {
+    __m512 a0[MB_MAX], a1[MB_MAX];
+#pragma GCC unroll 12
+    for (int m = 0; m < MB; m++) a0[m] = a1[m] = _mm512_setzero_ps();
+    const uint32_t *x32 = (const uint32_t *)x;
+#pragma GCC unroll 2
+    for (long kp = 0; kp < kp_n; kp++) {
+        const uint16_t *row = wp + kp * 2 * P;
+        __builtin_prefetch(row + PF_PAIRS * 2 * P, 0, 2);
+        __builtin_prefetch(row + PF_PAIRS * 2 * P + P, 0, 2);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(row + P);
+#pragma GCC unroll 12
+        for (int m = 0; m < MB; m++) {
+            const uint32_t xv = DIRECT ? x32[m * (ldx / 2) + kp] : x32[kp * MB + m];
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)xv);
+            a0[m] = _mm512_dpbf16_ps(a0[m], w0, b);
+            a1[m] = _mm512_dpbf16_ps(a1[m], w1, b);
+        }
+    }
+#pragma GCC unroll 12
+    for (int m = 0; m < MB; m++) {
+        store16(y + m * ldy, a0[m], nvalid);
+        store16(y + m * ldy + 16, a1[m], nvalid - 16);
+    }
+}
+
+#define DEFINE_PANEL(MB)                                                                       \
+    static void panel_##MB(const uint16_t *x, long ldx, const uint16_t *wp, long kp_n,         \
+                           uint16_t *y, long ldy, long nvalid) {                               \
+        panel(x, ldx, wp, kp_n, y, ldy, nvalid, MB, 0);                                        \
+    }                                                                                          \
+    static void direct_##MB(const uint16_t *x, long ldx, const uint16_t *wp, long kp_n,        \
+                            uint16_t *y, long ldy, long nvalid) {                              \
+        panel(x, ldx, wp, kp_n, y, ldy, nvalid, MB, 1);                                        \
+    }
+DEFINE_PANEL(1)
+DEFINE_PANEL(2)
+DEFINE_PANEL(3)
+DEFINE_PANEL(4)
+DEFINE_PANEL(5)
+DEFINE_PANEL(6)
+DEFINE_PANEL(7)
+DEFINE_PANEL(8)
+DEFINE_PANEL(9)
+DEFINE_PANEL(10)
+DEFINE_PANEL(11)
+DEFINE_PANEL(12)
+
+typedef void (*panel_fn)(const uint16_t *, long, const uint16_t *, long, uint16_t *, long,
+                         long);
+static const panel_fn PANELS[MB_MAX + 1] = {
+    0,       panel_1, panel_2, panel_3,  panel_4,  panel_5, panel_6,
+    panel_7, panel_8, panel_9, panel_10, panel_11, panel_12,
+};
+static const panel_fn DIRECT[MB_MAX + 1] = {
+    0,        direct_1, direct_2, direct_3,  direct_4,  direct_5, direct_6,
+    direct_7, direct_8, direct_9, direct_10, direct_11, direct_12,
+};
+
+/* x rows [m0, m0 + mb) as pairs into xt[Kp][mb] (32-bit each; an odd K's last pair padded). */
+static void pair_chunk(const uint16_t *x, long ldx, long K, long m0, long mb, uint32_t *xt) {
+    long kp_n = (K + 1) / 2;
+    for (long m = 0; m < mb; m++) {
+        const uint16_t *row = x + (m0 + m) * ldx;
+        for (long kp = 0; kp < kp_n; kp++) {
+            uint32_t lo = row[2 * kp], hi = 2 * kp + 1 < K ? row[2 * kp + 1] : 0;
+            xt[kp * mb + m] = lo | hi << 16;
+        }
+    }
+}
+
+/* The calling thread's share [b, e) of `panels` panels, inside a parallel region. */
+static void my_panels(long panels, long *b, long *e) {
+#ifdef _OPENMP
+    extern int omp_get_thread_num(void);
+    extern int omp_get_num_threads(void);
+    long t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    long t = 0, nt = 1;
+#endif
+    *b = panels * t / nt;
+    *e = panels * (t + 1) / nt;
+}
+
+static void linear_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
+                             long ldy, long M, long N, long K, uint32_t *xt) {
+    long panels = (N + P - 1) / P, kp_n = (K + 1) / 2, b, e;
+    long pstride = kp_n * 2 * P;
+    if (M <= MB_MAX && K % 2 == 0 && ldx % 2 == 0) {
+        my_panels(panels, &b, &e);
+        for (long p = b; p < e; p++) {
+            long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
+            DIRECT[M](x, ldx, wp + p * pstride, kp_n, y + n0, ldy, nvalid);
+        }
+        return;
+    }
+    long chunks = (M + MB_MAX - 1) / MB_MAX;
+#pragma omp for schedule(static)
+    for (long c = 0; c < chunks; c++) {
+        long m0 = c * MB_MAX, mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
+        pair_chunk(x, ldx, K, m0, mb, xt + m0 * kp_n);
+    }
+    /* (implicit barrier: every chunk is ready before any panel runs) */
+    my_panels(panels, &b, &e);
+    long group = L2_X_BYTES / (kp_n * MB_MAX * 4);
+    if (group < 1) group = 1;
+    for (long g0 = 0; g0 < chunks; g0 += group) {
+        long g1 = g0 + group < chunks ? g0 + group : chunks;
+        for (long p = b; p < e; p++) {
+            long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
+            for (long c = g0; c < g1; c++) {
+                long m0 = c * MB_MAX, mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
+                PANELS[mb]((const uint16_t *)(xt + m0 * kp_n), 0, wp + p * pstride, kp_n,
+                           y + m0 * ldy + n0, ldy, nvalid);
+            }
+        }
+    }
+}
+
+/* y[m * ldy + n] = bf16(sum_k x[m * ldx + k] * W[n, k]), wp being W packed by tg_bf16_pack.
+ * Returns 0, -1 on bad arguments, -2 if the x buffer cannot be allocated, -3 without
+ * AVX512-BF16. */
+int tg_bf16_linear(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
+                   long M, long N, long K, int nthreads) {
+    if (M < 1 || N < 1 || K < 1 || ldx < K || ldy < N || nthreads < 1) return -1;
+    long panels = (N + P - 1) / P;
+    if (nthreads > panels) nthreads = (int)panels;
+    uint32_t *xt = NULL;
+    int direct = M <= MB_MAX && K % 2 == 0 && ldx % 2 == 0;
+    if (!direct && !(xt = malloc((size_t)M * (size_t)((K + 1) / 2) * 4))) return -2;
+#pragma omp parallel num_threads(nthreads)
+    linear_in_region(x, ldx, wp, y, ldy, M, N, K, xt);
+    free(xt);
+    return 0;
+}
+
+#else
+
+int tg_bf16_linear(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
+                   long M, long N, long K, int nthreads) {
+    (void)x, (void)ldx, (void)wp, (void)y, (void)ldy, (void)M, (void)N, (void)K;
+    (void)nthreads;
+    return -3;
+}
+
+#endif
+
+/* Lets the loader check that the library it opened is the one it built. */
+int tg_bf16_kernel_abi(void) { return 1; }

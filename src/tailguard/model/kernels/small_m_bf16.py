@@ -1,0 +1,128 @@
+"""The bf16 linear of our own (gemv_bf16.c), for CPUs with AVX512-BF16 and no AMX tiles.
+
+    kernel = load_bf16_kernel()      # None, with one logged line saying why, if unavailable
+    wp = kernel.pack(w)              # w [N, K] bf16 -> panels, once
+    y = kernel.linear(x, wp)         # x [M, K] bf16 -> [M, N] bf16 (fp32 sums, rounded once)
+
+Built and cached by build.py like the fp32 kernel (small_m.py) and checked against a float64
+product before use. A CPU without the instructions (AVX2 only), no compiler, a failed build or
+a wrong result mean None: the engine uses oneDNN's bf16 matmul.
+
+Measured on a 2-core AMD EPYC (Zen 4, avx512_bf16, no AMX; docs/benchmarks.md, issue 12,
+session 30), the model M's shapes over distinct weights: 1.2-2.0x oneDNN's speed at 1-8 rows
+(29-47 GB/s of weights against 18-27), 1.1-1.2x at 32, 1.04-1.15x at 64, equal at 256 rows
+(~425 GFLOP/s each, the `vdpbf16ps` peak of the two cores): so one copy of each weight, in
+this layout, serves every step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from tailguard.model.kernels.build import Loader
+from tailguard.model.kernels.small_m import PanelWeight
+
+__all__ = ["Bf16Kernel", "bf16_kernel_unavailable_reason", "load_bf16_kernel"]
+
+SOURCE = Path(__file__).with_name("gemv_bf16.c")
+ABI = 1  # tg_bf16_kernel_abi() of the source this module expects
+
+
+class Bf16Kernel:
+    """y = x @ w^T for bf16 x [M, K] (any M) and w packed once by `pack` from [N, K] bf16."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        c_long, c_void_p = ctypes.c_long, ctypes.c_void_p
+        fn = lib.tg_bf16_linear
+        fn.restype = ctypes.c_int
+        # x, ldx, panels, y, ldy, M, N, K, threads
+        fn.argtypes = [c_void_p, c_long, c_void_p, c_void_p, c_long, c_long, c_long, c_long]
+        fn.argtypes.append(ctypes.c_int)
+        self._fn = fn
+        self._pack = lib.tg_bf16_pack
+        self._pack.restype = None
+        self._pack.argtypes = [c_void_p, c_void_p, c_long, c_long]
+        self.width = int(lib.tg_bf16_panel_width())
+        self.supported = bool(lib.tg_bf16_supported())
+        self._lib = lib  # keeps the library loaded
+
+    def pack(self, w: Tensor) -> PanelWeight:
+        """[N, K] bf16 -> panels [ceil(N / 32), ceil(K / 2), 64] (pairs of k side by side per
+        output column; a new tensor, w is left as it is)."""
+        if w.dim() != 2 or w.dtype != torch.bfloat16 or w.device.type != "cpu":
+            raise ValueError(f"bf16 kernel packs CPU bf16 [N, K]: got {w.dtype} {w.shape}")
+        w = w.detach().contiguous()
+        n, k = w.shape
+        panels = torch.empty(-(-n // self.width), -(-k // 2), 2 * self.width, dtype=w.dtype)
+        self._pack(w.data_ptr(), panels.data_ptr(), n, k)
+        return PanelWeight(panels, n, k)
+
+    def linear(self, x: Tensor, w: PanelWeight, threads: int | None = None) -> Tensor:
+        """[M, K] x [N, K]^T -> [M, N] bf16. x may be a row-strided view (read in place up to
+        12 rows when its rows start on 4-byte boundaries; copied into pairs above)."""
+        m, k = x.shape
+        if k != w.in_features or x.stride(1) != 1 or x.dtype != torch.bfloat16:
+            raise ValueError(
+                f"bf16 kernel needs bf16 x [M, {w.in_features}] with unit inner stride: "
+                f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}"
+            )
+        if x.data_ptr() % 4:  # the kernel reads (k, k+1) pairs as 32-bit words
+            x = x.clone()
+        n = w.out_features
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        nt = torch.get_num_threads() if threads is None else threads
+        rc = self._fn(x.data_ptr(), x.stride(0), w.panels.data_ptr(), y.data_ptr(), n, m, n, k, nt)
+        if rc != 0:  # pragma: no cover - -2: out of memory for x's paired copy
+            raise MemoryError(f"bf16 kernel failed ({rc}) on x {tuple(x.shape)}, N={n}")
+        return y
+
+
+def _check(kernel: Bf16Kernel) -> str | None:
+    """Against a float64 product on shapes off every block size (odd K, > 12 rows, partial
+    panels): None if right (within one bf16 rounding of the output), else why not."""
+    if not kernel.supported:
+        return "this CPU has no AVX512-BF16 (vdpbf16ps)"
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in ((1, 37, 46), (3, 50, 19), (8, 29, 68), (12, 64, 64), (13, 70, 33)):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        w = torch.randn(n, k, generator=g).bfloat16()
+        for threads in (1, 2):
+            got = kernel.linear(x, kernel.pack(w), threads).double()
+            want = x.double() @ w.double().t()
+            err = ((got - want).abs() / (want.abs() + 1.0)).max().item()
+            if err > 2.0**-7:
+                return f"self-check failed at M={m} N={n} K={k}: max relative error {err:.3g}"
+    return None
+
+
+_LOADER: Loader[Bf16Kernel] = Loader(
+    SOURCE,
+    "tg_bf16_kernel_abi",
+    ABI,
+    Bf16Kernel,
+    _check,
+    what="bf16 linear kernel",
+    fallback="oneDNN",
+)
+
+
+def load_bf16_kernel(
+    compiler: str | None = None, cache_dir: Path | None = None
+) -> Bf16Kernel | None:
+    """The kernel, built and checked once per process (and per compiler / cache folder);
+    None after one warning line saying why, if it cannot be had."""
+    return _LOADER.load(compiler, cache_dir)
+
+
+def bf16_kernel_unavailable_reason(
+    compiler: str | None = None, cache_dir: Path | None = None
+) -> str | None:
+    """Why load_bf16_kernel() gave None (after it ran), else None."""
+    return _LOADER.reason(compiler, cache_dir)
