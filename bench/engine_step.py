@@ -18,10 +18,11 @@ products for 1 s) in the same dtype on the same threads (the compute bound).
 --ab-fused runs op by op (fused_decode=False), then the fused decode stack (model/kernels/
 decode.c), and prints both against the bound last; --no-fused-decode runs op by op alone.
 --ab-kernel runs the step twice in one run, oneDNN only (small_m_kernel=False) then our
-small-M kernel, after measuring the machine's read bandwidth (fp32 sum over 512 MB, 1 thread
-and --threads) and printing the weights-bytes / bandwidth bound; the decode-step ratio comes
-last. --matmuls adds the per-matmul micro bench: the model's four projection shapes and its
-head at --batch rows, kernel vs oneDNN-packed, cycling over distinct weights (>= 640 MB per
+small-M kernel, after measuring the machine's read bandwidth (the fastest of an fp32 sum, an
+fp32 max and an int32 max over 512 MB, 1 thread and --threads) and printing the weights-bytes /
+bandwidth bound; the decode-step ratio comes last. --matmuls adds the per-matmul micro bench:
+the model's four projection shapes and its head at --batch rows in --dtype, our kernel (fp32:
+gemv.c, bf16: gemv_bf16.c) vs oneDNN-packed, cycling over distinct weights (>= 640 MB per
 shape, over twice the L3 of any machine here) so every weight comes from memory.
 No vLLM baseline here (bench_vllm.py); take numbers under `flock -x /tmp/tg-cpu.lock`.
 """
@@ -49,21 +50,36 @@ from tailguard.engine.core import EngineCore
 from tailguard.engine.protocol import UpdateMsg
 from tailguard.model.config import MistralConfig
 from tailguard.model.embedded import default_model_dir
-from tailguard.model.kernels import load_small_m_kernel, small_m_unavailable_reason
+from tailguard.model.kernels import (
+    LinearKernel,
+    bf16_kernel_unavailable_reason,
+    load_bf16_kernel,
+    load_small_m_kernel,
+    small_m_unavailable_reason,
+)
 from tailguard.model.mistral import PackedLinear
 
 
 def read_bandwidth(threads: int, mbytes: int = 512, repeat: int = 7) -> float:
-    """GB/s of an fp32 sum over `mbytes` MB on `threads` threads (best of `repeat`)."""
+    """GB/s of the fastest of three reads of `mbytes` MB on `threads` threads (best of
+    `repeat` each): an fp32 sum, an fp32 max and an int32 max. The sum alone under-reads on
+    some CPUs: on session 30's Zen 4 it read 31.7 GB/s where both maxes read 49.7-54.7, and
+    our bf16 kernel streamed weights at up to 47 GB/s, so a bound from the sum alone would
+    be 1.7x too lenient."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         a = torch.ones(mbytes * 2**20 // 4)
-        a.sum()
-        best = min(_timed(a.sum) for _ in range(repeat))
+        reads = (a.sum, a.amax, a.view(torch.int32).max)
+        best = min(_best(fn, repeat) for fn in reads)
     finally:
         torch.set_num_threads(before)
     return a.numel() * 4 / best / 1e9
+
+
+def _best(fn: Any, repeat: int) -> float:
+    fn()
+    return min(_timed(fn) for _ in range(repeat))
 
 
 PREFILL_STEPS: list[float] = []  # the last run's prefill steps (until every first token), s
@@ -104,17 +120,22 @@ def matmul_shapes(cfg: MistralConfig) -> list[tuple[str, int, int]]:
     ]
 
 
-def micro(cfg: MistralConfig, rows: int, threads: int, rounds: int = 5) -> None:
-    """Per-matmul ms and GB/s of weights streamed, kernel vs oneDNN-packed, distinct weights."""
+def micro(cfg: MistralConfig, rows: int, threads: int, dtype: torch.dtype, rounds: int = 5) -> None:
+    """Per-matmul ms and GB/s of weights streamed, kernel vs oneDNN-packed, distinct weights,
+    in `dtype` (fp32: gemv.c; bf16: gemv_bf16.c)."""
     torch.set_num_threads(threads)
-    kernel = load_small_m_kernel()
+    kernel: LinearKernel | None
+    if dtype == torch.bfloat16:
+        kernel, why = load_bf16_kernel(), bf16_kernel_unavailable_reason
+    else:
+        kernel, why = load_small_m_kernel(), small_m_unavailable_reason
     if kernel is None:
-        print(f"small-M kernel unavailable: {small_m_unavailable_reason()}")
+        print(f"kernel unavailable: {why()}")
     for name, n, k in matmul_shapes(cfg):
-        nbytes = n * k * 4
+        nbytes = n * k * dtype.itemsize
         copies = max(2, -(-640 * 2**20 // nbytes))  # >= 640 MB: no weight stays in L3
-        weights = [torch.randn(n, k) for _ in range(copies)]
-        x = torch.randn(rows, k)
+        weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
+        x = torch.randn(rows, k).to(dtype)
         runs: dict[str, Any] = {}
         panels = []
         if kernel is not None:
@@ -173,11 +194,11 @@ def main() -> None:
             gbs = read_bandwidth(t)
             bound[t] = wb / gbs / 1e6
             print(
-                f"read bandwidth {t} thread(s): {gbs:.1f} GB/s (fp32 sum over 512 MB); "
+                f"read bandwidth {t} thread(s): {gbs:.1f} GB/s (best read of 512 MB); "
                 f"{wb / 1e6:.0f} MB of weights per decode step -> bound {bound[t]:.1f} ms"
             )
     if args.matmuls:
-        micro(cfg, args.batch, args.threads)
+        micro(cfg, args.batch, args.threads, getattr(torch, args.dtype))
     if args.prefill_peak:
         torch.set_num_threads(args.threads)
         peak = matmul_flops(getattr(torch, args.dtype)) / 1e9  # bench_engine's MFU peak

@@ -1,23 +1,32 @@
 """The bf16 linear kernel (model/kernels/gemv_bf16.c): against a float64 product on every
 block-size edge, what it refuses, the model on it against oneDNN's bf16 and the fp32
-reference, and where the engine uses it (bf16 without AMX) and where not."""
+reference, and where the engine uses it (bf16 without AMX) and where not; the bf16 decode
+stack (decode_bf16.c) against the op-by-op forward, bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from pathlib import Path
 
 import pytest
 import torch
-from tests.model.model_testkit import PagedCache, make_checkpoint
+from tests.model.model_testkit import TINY, PagedCache, make_checkpoint
 
 from tailguard.core.request import EngineRequest, SamplingParams
 from tailguard.engine import runner as runner_mod
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.core import EngineCore
 from tailguard.model.embedded import default_model_dir
-from tailguard.model.kernels import Bf16Kernel, bf16_kernel_unavailable_reason, load_bf16_kernel
+from tailguard.model.kernels import (
+    Bf16Kernel,
+    bf16_kernel_unavailable_reason,
+    load_bf16_kernel,
+    load_row_kernel,
+)
+from tailguard.model.kernels.decode import DecodeStack, decode_unavailable_reason, load_decode_stack
+from tailguard.model.kernels.decode import self_check as decode_self_check
 from tailguard.model.kernels.small_m_bf16 import _check
 from tailguard.model.loader import load_model, onednn_uses_amx
 from tailguard.model.mistral import KernelLinear, MistralModel, PackedLinear
@@ -149,10 +158,10 @@ def test_engine_runs_bf16_on_the_kernel_without_amx_and_on_onednn_with_it(
     ours = _engine(monkeypatch, amx=False)
     assert ours.runner.small_m_kernel is kernel
     assert isinstance(ours.runner.model.layers[0].attn.wqkv, KernelLinear)
-    assert ours.runner.model._stack is None  # the fused decode stack is fp32 only
+    assert ours.runner.model._stack is not None  # and the bf16 decode stack
     with caplog.at_level(logging.INFO, logger="tailguard.engine"):
         tiles = _engine(monkeypatch, amx=True)
-    assert tiles.runner.small_m_kernel is None
+    assert tiles.runner.small_m_kernel is None and tiles.runner.model._stack is None
     assert isinstance(tiles.runner.model.layers[0].attn.wqkv, PackedLinear)
     assert "AMX" in caplog.text
     off = _engine(monkeypatch, amx=False, small_m_kernel=False)
@@ -191,3 +200,114 @@ def test_amx_rule() -> None:
     assert not onednn_uses_amx(["amx_bf16"], "AVX512_CORE_BF16")
     assert onednn_uses_amx(["amx_bf16"], "avx512_core_amx")
     assert not onednn_uses_amx(["avx512_bf16"])
+
+
+# ---- the bf16 decode stack (decode_bf16.c) ----
+
+
+def _bf16_stack_or_skip(kernel: Bf16Kernel) -> DecodeStack:
+    """The bf16 decode stack where the bf16 kernel exists (a stack that then fails its
+    self-check is a failure, not a skip)."""
+    stack = load_decode_stack(torch.bfloat16)
+    if stack is None or load_row_kernel() is None:
+        pytest.fail(f"bf16 decode stack unavailable: {decode_unavailable_reason(torch.bfloat16)}")
+    assert stack.dtype == torch.bfloat16
+    return stack
+
+
+def test_bf16_decode_stack_gives_the_op_by_op_bits(
+    kernel: Bf16Kernel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 checkpoint (GQA, a 16-token window, head_dim 32 so RoPE runs on the row kernel)
+    on the bf16 kernel and row kernels: a prefill op by op, then 12 decode steps of three
+    sequences past the window on the stack, bit for bit the op-by-op forward's hidden states
+    and KV cache (each phase rounds where the op it replaces rounds)."""
+    stack = _bf16_stack_or_skip(kernel)
+    calls = []
+    run = DecodeStack.run
+
+    def counted(self: DecodeStack, *a: object) -> None:
+        calls.append(1)
+        run(self, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecodeStack, "run", counted)
+    folder = make_checkpoint(tmp_path / "ckpt", dataclasses.replace(TINY, head_dim=32))
+    models = []
+    for _ in range(2):
+        m, _ = load_model(folder, dtype=torch.bfloat16)
+        assert m.use_row_kernel(load_row_kernel())
+        m.prepack(kernel=kernel)
+        models.append(m)
+    op, fused = models
+    caches = [PagedCache(m.config, 80, 4, torch.bfloat16) for m in models]
+    assert fused.use_decode_stack(stack, caches[1].kv)
+    prompts = [[5, 9, 17, 3, 22, 8, 1, 40, 2], [40, 2], [7] * 21]
+    steps = [[[(i, p) for i, p in enumerate(prompts)]]]
+    steps += [[[(i, [11 + i + j]) for i in range(3)]] for j in range(12)]
+    for groups in steps:
+        _, want, _ = caches[0].run(op, groups)
+        _, got, _ = caches[1].run(fused, groups)
+        assert torch.equal(got, want)
+    assert len(calls) == 12  # every decode step, not the prefill
+    for (k0, v0), (k1, v1) in zip(caches[0].kv, caches[1].kv, strict=True):
+        assert torch.equal(k1, k0) and torch.equal(v1, v0)
+
+
+def test_bf16_decode_stack_is_bound_only_where_it_applies(
+    kernel: Bf16Kernel, tmp_path: Path
+) -> None:
+    stack = _bf16_stack_or_skip(kernel)
+    fp32_stack = load_decode_stack(torch.float32)
+    wide = make_checkpoint(tmp_path / "wide", dataclasses.replace(TINY, head_dim=32))
+    model, _ = load_model(wide, dtype=torch.bfloat16)
+    kv = PagedCache(model.config, dtype=torch.bfloat16).kv
+    assert model.use_row_kernel(load_row_kernel())
+    assert not model.use_decode_stack(stack, kv)  # projections still plain linears
+    model.prepack(kernel=kernel)
+    assert not model.use_decode_stack(fp32_stack, kv)  # a stack of another dtype
+    assert model.use_decode_stack(stack, kv)
+    narrow, _ = load_model(make_checkpoint(tmp_path / "narrow"), dtype=torch.bfloat16)
+    assert narrow.use_row_kernel(load_row_kernel())
+    narrow.prepack(kernel=kernel)
+    # head_dim 16: bf16 RoPE cannot run on the row kernel (half a head is not whole lanes)
+    assert not narrow.use_decode_stack(stack, PagedCache(narrow.config, dtype=torch.bfloat16).kv)
+
+
+def test_bf16_decode_stack_self_check_catches_a_wrong_stack(kernel: Bf16Kernel) -> None:
+    stack = _bf16_stack_or_skip(kernel)
+    assert decode_self_check(stack) is None
+
+    class Skewed:  # the built stack, its output nudged past bf16's roundings
+        def __getattr__(self, name: str) -> object:
+            return getattr(stack, name)
+
+        def run(self, layers: object, dims: object, x: torch.Tensor, *a: object) -> None:
+            stack.run(layers, dims, x, *a)  # type: ignore[arg-type]
+            x[0, 0] += 4.0
+
+    assert "decode stack self-check failed" in (decode_self_check(Skewed()) or "")  # type: ignore[arg-type]
+
+
+def test_engine_greedy_tokens_identical_with_and_without_the_bf16_stack(
+    kernel: Bf16Kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded model in bf16: 20 sequences (decode batches above the kernel's 12 direct
+    rows, so the paired-chunk path runs too) generate the same greedy tokens with the stack
+    as op by op."""
+    _bf16_stack_or_skip(kernel)
+    rng = random.Random(21)
+    prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(2, 60))] for _ in range(20)]
+
+    def greedy(core: EngineCore) -> dict[str, list[int]]:
+        for i, p in enumerate(prompts):
+            sp = SamplingParams(max_tokens=16, ignore_eos=True)
+            core.add(EngineRequest(request_id=f"r{i}", prompt_token_ids=tuple(p), sampling=sp))
+        got: dict[str, list[int]] = {}
+        while core.has_work():
+            for o in core.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return got
+
+    fused = _engine(monkeypatch, amx=False)
+    assert fused.runner.model._stack is not None
+    assert greedy(fused) == greedy(_engine(monkeypatch, amx=False, fused_decode=False))

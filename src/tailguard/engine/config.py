@@ -87,9 +87,11 @@ class EngineConfig:
     (model/kernels/gemv.c, compiled at first use with the system C compiler into
     ~/.cache/tailguard/kernels) and run every matmul on it: at decode sizes (up to ~64 rows)
     it streams the weights at about the read bandwidth where oneDNN's fp32 kernel reaches
-    50-75% of it; above that its prefill step measured the same as oneDNN's (one copy). Without
-    a compiler, or if the build or its self-check fails, the engine logs one line saying why
-    and uses oneDNN (`prepack_weights`). False: oneDNN only (A/B)."""
+    50-75% of it; above that its prefill step measured the same as oneDNN's (one copy). CPU
+    bf16 on AVX512-BF16 without AMX (AMD Zen 4): the same with model/kernels/gemv_bf16.c, 1.2-2x
+    oneDNN's bf16 speed at 1-8 rows, equal at 256 (with AMX oneDNN's tiles stay). Without a
+    compiler, or if the build or its self-check fails, the engine logs one line saying why and
+    uses oneDNN (`prepack_weights`). False: oneDNN only (A/B)."""
     row_kernels: bool = True
     """CPU: greedy argmax and temperature sampling (rows without top-p) over the step's logits,
     and (fp32) decode attention read straight from the paged cache, RMSNorm, RoPE and the
@@ -100,10 +102,11 @@ class EngineConfig:
     Same uniforms, same distribution, same greedy tokens; falls back to torch with one log line
     when it cannot be built. False: torch only (A/B)."""
     fused_decode: bool = True
-    """CPU fp32, with the small-M kernel and the row kernels: a pure decode step's whole
-    decoder stack in one compiled call (model/kernels/decode.c: every layer's norms, matmuls,
-    RoPE, KV write, decode attention and residuals in one OpenMP region) instead of ~13 torch
-    and ctypes calls a layer. Same kernels, same tokens. False: op by op (A/B)."""
+    """CPU, with our linear kernel (fp32, or bf16 without AMX) and the row kernels: a pure
+    decode step's whole decoder stack in one compiled call (model/kernels/decode.c, or
+    decode_bf16.c: every layer's norms, matmuls, RoPE, KV write, decode attention and
+    residuals in one OpenMP region) instead of ~13 torch and ctypes calls a layer. Same
+    kernels, same tokens. False: op by op (A/B)."""
     decode_graphs: str = "auto"
     """Decode steps replayed from graphs captured at warm-up, one per decode bucket (sequence
     bucket x block bucket; engine/graphs.py). auto: CUDA graphs on CUDA, none on CPU (no

@@ -106,9 +106,9 @@ class ModelRunner:
         self._device_allocs_before_kv = _device_allocs(self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.layout = self._allocate_kv()
-        fp32_kernel = self.small_m_kernel is not None and self.small_m_kernel.dtype == torch.float32
-        if config.fused_decode and fp32_kernel and self.row_kernel is not None:
-            self.model.use_decode_stack(load_decode_stack(), self.kv_caches)
+        kernel = self.small_m_kernel
+        if config.fused_decode and kernel is not None and self.row_kernel is not None:
+            self.model.use_decode_stack(load_decode_stack(kernel.dtype), self.kv_caches)
         self._pool_sums: dict[str, torch.Tensor] = {}  # request id -> running hidden sum (fp32)
         self._generators: dict[str, torch.Generator] = {}  # seeded sampling, per request
         # requests without a seed of their own sample from one generator seeded from the

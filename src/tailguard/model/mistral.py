@@ -411,9 +411,10 @@ class MistralModel(nn.Module):
 
     def use_decode_stack(self, stack: DecodeStack | None, kv_caches: KVCache) -> bool:
         """Run a decode step's whole decoder stack (a forward whose one attention group is a
-        decode group, over `kv_caches`) in one compiled call (model/kernels/decode.c) where it
-        applies: after `use_row_kernel` and `prepack` onto the small-M kernel, with that
-        kernel's panel width. Returns whether it does."""
+        decode group, over `kv_caches`) in one compiled call (model/kernels/decode.c, or
+        decode_bf16.c for a bf16 model) where it applies: after `use_row_kernel` (RoPE on it
+        too) and `prepack` onto our linear kernel of the stack's dtype and panel width.
+        Returns whether it does."""
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         linears = [(ly.attn.wqkv, ly.attn.wo, ly.mlp.w13, ly.mlp.w2) for ly in layers]
         ok = (
@@ -421,9 +422,10 @@ class MistralModel(nn.Module):
             and self.row_kernel is not None
             and stack.lanes == self.row_kernel.lanes
             and len(layers) == len(kv_caches) > 0
+            and all(ly.attn.fused_rope is not None for ly in layers)  # the stack's RoPE
             and all(
                 isinstance(lin, KernelLinear)
-                and lin.kernel.dtype == torch.float32  # decode.c is fp32
+                and lin.kernel.dtype == stack.dtype == self.dtype
                 and lin.kernel.width == stack.width
                 for four in linears
                 for lin in four
@@ -456,8 +458,9 @@ class MistralModel(nn.Module):
 
     def _forward_stack(self, batch: ForwardBatch, stack: _BoundStack) -> Tensor:
         x = self.embed_tokens(batch.input_ids).contiguous()  # [T, H], updated in place
-        cos = self.rope_cos.index_select(0, batch.positions)  # [T, hd] fp32
-        sin = self.rope_sin.index_select(0, batch.positions)
+        # [T, hd] in the model dtype (bf16: cast as the op-by-op forward casts)
+        cos = self.rope_cos.index_select(0, batch.positions).to(x.dtype).contiguous()
+        sin = self.rope_sin.index_select(0, batch.positions).to(x.dtype).contiguous()
         group = batch.groups[0]
         tables = group.block_tables.contiguous()
         stack.kernel.run(

@@ -276,6 +276,31 @@ static void attend_kv_head(const float *q, long q_ld, long qrow, const float *k_
                      window, out, out_ld, p, 0);
 }
 
+/* One (sequence, KV head) of the decode attention: Mistral's shapes with constant sizes, so
+ * the loops unroll and the sums stay in registers (the same sums in the same order as the
+ * generic call). Shared by tg_decode_attention* and the decode stacks. */
+static inline void attend_one(const void *q, long q_ld, long qrow, const void *k_cache,
+                              const void *v_cache, const long *table, long n, long bs, long nh,
+                              long nkv, long hd, long g, float scale, long window, void *out,
+                              long out_ld, float *p, int bf16) {
+#define ATTEND(HD, REP, BF16)                                                                  \
+    attend_kv_head_t(q, q_ld, qrow, k_cache, v_cache, table, n, bs, nkv, HD, REP, g, scale,    \
+                     window, out, out_ld, p, BF16)
+    if (bf16 && nh == 4 * nkv && hd == 64)
+        ATTEND(64, 4, 1);
+    else if (bf16 && nh == 4 * nkv && hd == 128)
+        ATTEND(128, 4, 1);
+    else if (bf16)
+        ATTEND(hd, nh / nkv, 1);
+    else if (nh == 4 * nkv && hd == 64)
+        ATTEND(64, 4, 0);
+    else if (nh == 4 * nkv && hd == 128)
+        ATTEND(128, 4, 0);
+    else
+        ATTEND(hd, nh / nkv, 0);
+#undef ATTEND
+}
+
 /* tg_decode_attention, on fp32 or (bf16) bf16 tensors. */
 static int decode_attention(const void *q, long q_ld, const long *q_rows, long nseq,
                             long pad_row, const void *k_cache, const void *v_cache,
@@ -296,24 +321,8 @@ static int decode_attention(const void *q, long q_ld, const long *q_rows, long n
         for (long s = 0; s < nseq; s++)
             for (long g = 0; g < nkv; g++) {
                 if (!p || q_rows[s] >= pad_row) continue;
-#define ATTEND(HD, REP, BF16)                                                                  \
-    attend_kv_head_t(q, q_ld, q_rows[s], k_cache, v_cache, tables + s * tbl_ld, ctx_lens[s], bs, \
-                     nkv, HD, REP, g, scale, window, out, out_ld, p, BF16)
-                /* Mistral's shapes with constant sizes: the loops unroll, the sums stay in
-                 * registers (the same sums in the same order as the generic call) */
-                if (bf16 && nh == 4 * nkv && hd == 64)
-                    ATTEND(64, 4, 1);
-                else if (bf16 && nh == 4 * nkv && hd == 128)
-                    ATTEND(128, 4, 1);
-                else if (bf16)
-                    ATTEND(hd, nh / nkv, 1);
-                else if (nh == 4 * nkv && hd == 64)
-                    ATTEND(64, 4, 0);
-                else if (nh == 4 * nkv && hd == 128)
-                    ATTEND(128, 4, 0);
-                else
-                    ATTEND(hd, nh / nkv, 0);
-#undef ATTEND
+                attend_one(q, q_ld, q_rows[s], k_cache, v_cache, tables + s * tbl_ld,
+                           ctx_lens[s], bs, nh, nkv, hd, g, scale, window, out, out_ld, p, bf16);
             }
         free(p);
     }
@@ -412,47 +421,52 @@ void tg_rope(float *x, long ld, long T, long heads, long hd, const float *cos_t,
  * product and then their sum. Sums run in fp32. Rows are split over OpenMP threads (a prefill
  * step has thousands); H, I and hd % VL == 0. */
 
+static inline void rms_row_bf16(const uint16_t *xr, const uint16_t *w, uint16_t *y, long H,
+                                float eps) {
+    vf acc = {};
+    for (long d = 0; d < H; d += VL) {
+        vf v = load_bf16(xr + d);
+        acc += v * v;
+    }
+    float r = 1.0f / sqrtf(vsum(acc) / (float)H + eps);
+    for (long d = 0; d < H; d += VL)
+        store_bf16(y + d, load_bf16(w + d) * rne(load_bf16(xr + d) * r));
+}
+
+static inline void silu_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, long I) {
+    for (long i = 0; i < I; i += VL)
+        store_bf16(y + i, rne(silu(load_bf16(g + i))) * load_bf16(u + i));
+}
+
+static inline void rope_row_bf16(uint16_t *v, long heads, long hd, const uint16_t *c,
+                                 const uint16_t *s) {
+    long half = hd / 2;
+    for (long h = 0; h < heads; h++, v += hd)
+        for (long i = 0; i < half; i += VL) {
+            vf a = load_bf16(v + i), b = load_bf16(v + i + half);
+            vf a2 = rne(a * load_bf16(c + i)) + rne(-b * load_bf16(s + i));
+            vf b2 = rne(b * load_bf16(c + i + half)) + rne(a * load_bf16(s + i + half));
+            store_bf16(v + i, a2);
+            store_bf16(v + i + half, b2);
+        }
+}
+
 void tg_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, long T, long H,
                       float eps, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 16)
-    for (long t = 0; t < T; t++) {
-        const uint16_t *xr = x + t * H;
-        vf acc = {};
-        for (long d = 0; d < H; d += VL) {
-            vf v = load_bf16(xr + d);
-            acc += v * v;
-        }
-        float r = 1.0f / sqrtf(vsum(acc) / (float)H + eps);
-        for (long d = 0; d < H; d += VL)
-            store_bf16(y + t * H + d, load_bf16(w + d) * rne(load_bf16(xr + d) * r));
-    }
+    for (long t = 0; t < T; t++) rms_row_bf16(x + t * H, w, y + t * H, H, eps);
 }
 
 void tg_silu_mul_bf16(const uint16_t *gu, uint16_t *y, long T, long I, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 16)
-    for (long t = 0; t < T; t++) {
-        const uint16_t *g = gu + t * 2 * I, *u = g + I;
-        for (long i = 0; i < I; i += VL)
-            store_bf16(y + t * I + i, rne(silu(load_bf16(g + i))) * load_bf16(u + i));
-    }
+    for (long t = 0; t < T; t++) silu_row_bf16(gu + t * 2 * I, gu + t * 2 * I + I, y + t * I, I);
 }
 
 void tg_rope_bf16(uint16_t *x, long ld, long T, long heads, long hd, const uint16_t *cos_t,
                   const uint16_t *sin_t, int nthreads) {
-    long half = hd / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 16)
-    for (long t = 0; t < T; t++) {
-        const uint16_t *c = cos_t + t * hd, *s = sin_t + t * hd;
-        uint16_t *v = x + t * ld;
-        for (long h = 0; h < heads; h++, v += hd)
-            for (long i = 0; i < half; i += VL) {
-                vf a = load_bf16(v + i), b = load_bf16(v + i + half);
-                vf a2 = rne(a * load_bf16(c + i)) + rne(-b * load_bf16(s + i));
-                vf b2 = rne(b * load_bf16(c + i + half)) + rne(a * load_bf16(s + i + half));
-                store_bf16(v + i, a2);
-                store_bf16(v + i + half, b2);
-            }
-    }
+    for (long t = 0; t < T; t++)
+        rope_row_bf16(x + t * ld, heads, hd, cos_t + t * hd, sin_t + t * hd);
 }
 
 int tg_rows_lanes(void) { return VL; }
