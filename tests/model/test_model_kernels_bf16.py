@@ -1,7 +1,8 @@
 """The bf16 linear kernel (model/kernels/gemv_bf16.c): against a float64 product on every
 block-size edge, what it refuses, the model on it against oneDNN's bf16 and the fp32
 reference, and where the engine uses it (bf16 without AMX) and where not; the bf16 decode
-stack (decode_bf16.c) against the op-by-op forward, bit for bit."""
+stack (decode_bf16.c) against the op-by-op forward, bit for bit; the bf16 prefill attention
+(attn_bf16.c) against SDPA."""
 
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ from tailguard.model.kernels import (
     load_bf16_kernel,
     load_row_kernel,
 )
+from tailguard.model.kernels.attn_bf16 import (
+    PrefillAttention,
+    load_prefill_attention,
+    prefill_attention_unavailable_reason,
+)
+from tailguard.model.kernels.attn_bf16 import _check as prefill_check
+from tailguard.model.kernels.attn_bf16 import reference as prefill_reference
 from tailguard.model.kernels.decode import DecodeStack, decode_unavailable_reason, load_decode_stack
 from tailguard.model.kernels.decode import self_check as decode_self_check
 from tailguard.model.kernels.small_m_bf16 import _check
@@ -311,3 +319,110 @@ def test_engine_greedy_tokens_identical_with_and_without_the_bf16_stack(
     fused = _engine(monkeypatch, amx=False)
     assert fused.runner.model._stack is not None
     assert greedy(fused) == greedy(_engine(monkeypatch, amx=False, fused_decode=False))
+
+
+# ---- first chunks' causal attention in bf16 (attn_bf16.c) ----
+
+
+def _prefill_or_fail(kernel: Bf16Kernel) -> PrefillAttention:
+    """Where the bf16 kernel exists, the prefill attention must too (its self-check passing)."""
+    got = load_prefill_attention()
+    if got is None:
+        pytest.fail(f"prefill attention unavailable: {prefill_attention_unavailable_reason()}")
+    return got
+
+
+@pytest.mark.parametrize(
+    ("nh", "nkv", "hd", "window"), [(16, 4, 64, 0), (12, 4, 32, 9), (8, 8, 32, 0)]
+)
+def test_prefill_attention_matches_sdpa_in_fp32(
+    kernel: Bf16Kernel, nh: int, nkv: int, hd: int, window: int
+) -> None:
+    """Sequences of 1-70 rows (partial key panels and query blocks), a padding row, GQA 4, 3
+    and 1, a sliding window: within the error torch's own bf16 SDPA makes against fp32."""
+    attn = _prefill_or_fail(kernel)
+    g = torch.Generator().manual_seed(nh + hd + window)
+    lens = [1, 70, 33, 12, 64]
+    firsts = [sum(lens[:i]) for i in range(len(lens))]
+    t = sum(lens)
+    qkv = (torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 2).bfloat16()
+    out = torch.zeros(t + 1, nh * hd, dtype=torch.bfloat16)
+    firsts_t = torch.tensor([*firsts, t])  # the last row is padding: skipped
+    attn.attend(qkv, firsts_t, torch.tensor([*lens, 1]), nh, nkv, hd, window, out, 2)
+    want = prefill_reference(qkv, firsts, lens, nh, nkv, hd, window)
+    err = (out.float() - want).abs().max().item()
+    assert err < 0.02 * want.abs().max().item(), err
+    assert torch.equal(out[t], torch.zeros(nh * hd, dtype=torch.bfloat16))  # padding row
+    # the same rows through torch's bf16 SDPA, sequence by sequence: our error is no worse
+    sdpa = prefill_reference(qkv, firsts, lens, nh, nkv, hd, window, dtype=torch.bfloat16)
+    assert err <= 1.5 * (sdpa - want).abs().max().item() + 1e-2
+
+
+def test_prefill_attention_refuses_shapes_it_does_not_take(kernel: Bf16Kernel) -> None:
+    attn = _prefill_or_fail(kernel)
+    assert not attn.applies(16, 4, 48) and not attn.applies(32, 2, 64)
+    qkv = torch.zeros(4, 6 * 48, dtype=torch.bfloat16)
+    out = torch.zeros(5, 4 * 48, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="refused"):
+        attn.attend(qkv, torch.tensor([0]), torch.tensor([4]), 4, 1, 48, 0, out, 2)
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        attn.attend(qkv.float(), torch.tensor([0]), torch.tensor([4]), 4, 1, 48, 0, out, 2)
+
+
+def test_prefill_attention_self_check_catches_a_wrong_kernel(kernel: Bf16Kernel) -> None:
+    attn = _prefill_or_fail(kernel)
+    assert prefill_check(attn) is None
+
+    class Shifted:  # the built kernel, one output row moved
+        def attend(self, qkv: torch.Tensor, *a: object) -> None:
+            attn.attend(qkv, *a)  # type: ignore[arg-type]
+            out = a[-2]
+            assert isinstance(out, torch.Tensor)
+            out[3] = out[4]
+
+    assert "prefill attention self-check failed" in (prefill_check(Shifted()) or "")  # type: ignore[arg-type]
+
+
+def test_model_prefill_on_the_kernel_is_as_close_to_fp32_as_sdpa(
+    kernel: Bf16Kernel, tmp_path: Path
+) -> None:
+    """head_dim 32 (RoPE on the row kernel, whole key panels): first chunks of three prompts
+    on the kernel, then two decode steps; logits as close to the fp32 model's as the SDPA
+    path's, and only where it applies (head_dim 16, or RoPE off the row kernel: not bound)."""
+    attn = _prefill_or_fail(kernel)
+    folder = make_checkpoint(tmp_path / "ckpt", dataclasses.replace(TINY, head_dim=32))
+    exact, _ = load_model(folder, dtype=torch.float32)
+    models = []
+    for use in (False, True):
+        m, _ = load_model(folder, dtype=torch.bfloat16)
+        assert m.use_row_kernel(load_row_kernel())
+        m.prepack(kernel=kernel)
+        assert m.use_prefill_attention(attn if use else None) == use
+        models.append(m)
+    steps = [[[(0, [5, 9, 17, 3, 22, 8, 1, 40, 2] * 3), (1, [40, 2]), (2, [7] * 14)]]]
+    steps += [[[(i, [11 + i + j]) for i in range(3)]] for j in range(2)]
+    caches = [PagedCache(m.config, 80, 4, m.dtype) for m in (exact, *models)]
+    errs = []
+    for groups in steps:
+        _, ref, _ = caches[0].run(exact, groups)
+        got = [c.run(m, groups)[1].float() for c, m in zip(caches[1:], models, strict=True)]
+        errs.append([(g - ref).abs().max().item() for g in got])
+    for sdpa_err, ours_err in errs:
+        assert ours_err <= 1.5 * sdpa_err + 1e-2, errs
+    narrow, _ = load_model(make_checkpoint(tmp_path / "narrow"), dtype=torch.bfloat16)
+    assert narrow.use_row_kernel(load_row_kernel())
+    assert not narrow.use_prefill_attention(attn)  # head_dim 16
+    plain, _ = load_model(folder, dtype=torch.bfloat16)
+    assert not plain.use_prefill_attention(attn)  # RoPE not on the row kernel
+
+
+def test_engine_binds_the_prefill_attention_with_the_bf16_kernel(
+    kernel: Bf16Kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded model (head_dim 32) in bf16 without AMX: every layer's first chunks on the
+    kernel, and not with oneDNN's matmuls (AMX, or the kernel turned off)."""
+    attn = _prefill_or_fail(kernel)
+    ours = _engine(monkeypatch, amx=False)
+    assert all(ly.attn.prefill is attn for ly in ours.runner.model.layers)  # type: ignore[union-attr]
+    tiles = _engine(monkeypatch, amx=True)
+    assert all(ly.attn.prefill is None for ly in tiles.runner.model.layers)  # type: ignore[union-attr]

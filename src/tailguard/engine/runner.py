@@ -39,6 +39,7 @@ from tailguard.model.kernels import (
     LinearKernel,
     load_bf16_kernel,
     load_decode_stack,
+    load_prefill_attention,
     load_row_kernel,
     load_small_m_kernel,
 )
@@ -107,6 +108,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.layout = self._allocate_kv()
         kernel = self.small_m_kernel
+        if kernel is not None and kernel.dtype == torch.bfloat16:  # bf16 without AMX
+            self.model.use_prefill_attention(load_prefill_attention())
         if config.fused_decode and kernel is not None and self.row_kernel is not None:
             self.model.use_decode_stack(load_decode_stack(kernel.dtype), self.kv_caches)
         self._pool_sums: dict[str, torch.Tensor] = {}  # request id -> running hidden sum (fp32)

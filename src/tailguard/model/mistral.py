@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from tailguard.model.batch import AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
 from tailguard.model.kernels import DecodeStack, LinearKernel, RowKernel
+from tailguard.model.kernels.attn_bf16 import PrefillAttention
 from tailguard.model.kernels.decode import LayerRefs, StackDims
 from tailguard.model.kernels.rows import MAX_BF16_HEAD_DIM, MAX_REP
 
@@ -198,6 +199,7 @@ class Attention(nn.Module):
         # decode groups on our own kernel (model/kernels/rows.c) where set: CPU fp32 or bf16
         self.fused: RowKernel | None = None
         self.fused_rope: RowKernel | None = None  # RoPE on it (bf16: half of hd whole lanes)
+        self.prefill: PrefillAttention | None = None  # bf16 first chunks (attn_bf16.c) if set
 
     def forward(
         self,
@@ -242,6 +244,12 @@ class Attention(nn.Module):
                     group.block_tables, group.context_lens,
                     group.block_tables.shape[1] * k_cache.shape[1], self.window, out,
                     torch.get_num_threads(),
+                )  # fmt: skip
+                continue
+            if self.prefill is not None and isinstance(mask, CausalMask) and rope is not None:
+                self.prefill.attend(
+                    qkv, group.token_index[:, 0], group.context_lens, self.n_head, self.n_kv,
+                    self.head_dim, self.window, out, torch.get_num_threads(),
                 )  # fmt: skip
                 continue
             if q_ext is None:
@@ -407,6 +415,24 @@ class MistralModel(nn.Module):
             layer.attn_norm.fused = use
             layer.ffn_norm.fused = use
             layer.mlp.fused = use
+        return ok
+
+    def use_prefill_attention(self, kernel: PrefillAttention | None) -> bool:
+        """Run first chunks' causal attention (CAUSAL groups) on `kernel` (attn_bf16.c) where
+        it applies: a CPU bf16 model whose RoPE runs in place on the row kernel (the kernel
+        reads queries, keys and values from the rotated qkv rows), head_dim a multiple of 32.
+        Returns whether it does."""
+        c = self.config
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        ok = (
+            kernel is not None
+            and self.dtype == torch.bfloat16
+            and self.device.type == "cpu"
+            and kernel.applies(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+            and all(ly.attn.fused_rope is not None for ly in layers)
+        )
+        for ly in layers:
+            ly.attn.prefill = kernel if ok else None
         return ok
 
     def use_decode_stack(self, stack: DecodeStack | None, kv_caches: KVCache) -> bool:

@@ -46,19 +46,27 @@
 int tg_bf16_panel_width(void) { return P; }
 int tg_bf16_supported(void) { return TG_BF16; }
 
-/* wp[(n / P) * Kp * 2P + kp * 2P + (n % P) * 2 + (k & 1)] = w[n * K + k], Kp = ceil(K / 2),
+/* wp[(n / P) * Kp * 2P + kp * 2P + (n % P) * 2 + (k & 1)] = w[n * ldw + k], Kp = ceil(K / 2),
  * zero-padded to whole panels and to an even K. */
-void tg_bf16_pack(const uint16_t *w, uint16_t *wp, long N, long K) {
+static void pack_rows(const uint16_t *w, long ldw, uint16_t *wp, long N, long K) {
     long panels = (N + P - 1) / P, kp_n = (K + 1) / 2;
-#pragma omp parallel for schedule(static)
     for (long p = 0; p < panels; p++) {
         uint16_t *dst = wp + p * kp_n * 2 * P;
         for (long kp = 0; kp < kp_n; kp++)
             for (long j = 0; j < P; j++)
                 for (long h = 0; h < 2; h++) {
                     long n = p * P + j, k = 2 * kp + h;
-                    dst[kp * 2 * P + j * 2 + h] = n < N && k < K ? w[n * K + k] : 0;
+                    dst[kp * 2 * P + j * 2 + h] = n < N && k < K ? w[n * ldw + k] : 0;
                 }
+    }
+}
+
+void tg_bf16_pack(const uint16_t *w, uint16_t *wp, long N, long K) {
+    long panels = (N + P - 1) / P, kp_n = (K + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (long p = 0; p < panels; p++) {
+        long n0 = p * P, rows = N - n0 < P ? N - n0 : P;
+        pack_rows(w + n0 * K, K, wp + p * kp_n * 2 * P, rows, K);
     }
 }
 
@@ -74,10 +82,11 @@ ALWAYS_INLINE void store16(uint16_t *dst, __m512 v, long valid) {
 }
 
 /* One panel against MB rows of x into y[0..MB)[n0..n0+nvalid). With DIRECT x is the rows
- * themselves (ldx apart, K even, read as 32-bit pairs), else a chunk [Kp][MB] of pairs. */
-ALWAYS_INLINE void panel(const uint16_t *restrict x, long ldx, const uint16_t *restrict wp,
-                         long kp_n, uint16_t *restrict y, long ldy, long nvalid, const int MB,
-                         const int DIRECT) {
+ * themselves (ldx apart, K even, read as 32-bit pairs), else a chunk [Kp][MB] of pairs. y is
+ * bf16, or with OUT32 the fp32 sums (attn_bf16.c's scores and outputs; nvalid == P). */
+ALWAYS_INLINE void panel_t(const uint16_t *restrict x, long ldx, const uint16_t *restrict wp,
+                           long kp_n, void *restrict y, long ldy, long nvalid, const int MB,
+                           const int DIRECT, const int OUT32) {
     __m512 a0[MB_MAX], a1[MB_MAX];
 #pragma GCC unroll 12
     for (int m = 0; m < MB; m++) a0[m] = a1[m] = _mm512_setzero_ps();
@@ -99,9 +108,20 @@ ALWAYS_INLINE void panel(const uint16_t *restrict x, long ldx, const uint16_t *r
     }
 #pragma GCC unroll 12
     for (int m = 0; m < MB; m++) {
-        store16(y + m * ldy, a0[m], nvalid);
-        store16(y + m * ldy + 16, a1[m], nvalid - 16);
+        if (OUT32) {
+            _mm512_storeu_ps((float *)y + m * ldy, a0[m]);
+            _mm512_storeu_ps((float *)y + m * ldy + 16, a1[m]);
+        } else {
+            store16((uint16_t *)y + m * ldy, a0[m], nvalid);
+            store16((uint16_t *)y + m * ldy + 16, a1[m], nvalid - 16);
+        }
     }
+}
+
+ALWAYS_INLINE void panel(const uint16_t *restrict x, long ldx, const uint16_t *restrict wp,
+                         long kp_n, uint16_t *restrict y, long ldy, long nvalid, const int MB,
+                         const int DIRECT) {
+    panel_t(x, ldx, wp, kp_n, y, ldy, nvalid, MB, DIRECT, 0);
 }
 
 #define DEFINE_PANEL(MB)                                                                       \

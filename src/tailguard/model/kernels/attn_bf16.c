@@ -1,0 +1,185 @@
+/* Causal attention of prompts' first chunks, bf16, on the vdpbf16ps panels of gemv_bf16.c
+ * (CPUs with AVX512-BF16 and no AMX).
+ *
+ * Why: torch's CPU flash attention ran a 2 x 512-token causal call of the 246M model at ~70
+ * GFLOP/s on a 2-core Zen 4 (15.6 ms a layer in bf16, the same in fp32), ~20% of a 1,024-token
+ * prefill step, where the same cores multiply bf16 matrices at ~425 GFLOP/s
+ * (docs/benchmarks.md, issue 12, session 30).
+ *
+ * Each sequence's keys and values are its own chunk's rows of the qkv projection (a first
+ * chunk: position i is row first + i), read there after RoPE, not gathered from the cache.
+ * Per (sequence, KV head): K packed as a weight [keys, hd] and V^T as a weight [hd, keys]
+ * (pairs of keys side by side). Per block of 12 query rows (12 / rep positions x the rep query
+ * heads of that KV head, so every key panel serves all of them):
+ *   S = Q K^T in fp32 over the keys the block's last position sees (whole panels of 32);
+ *   per row, softmax over its own keys (the causal limit and the sliding window): the max,
+ *   e = exp(scale * (s - max)) in fp32, their sum, e rounded to bf16 as P (as a bf16
+ *   flash kernel feeds its second product);
+ *   O = P V in fp32, divided by the sum and rounded to bf16 once into out.
+ * Two passes over keys that stay in L2 (a 512-token sequence's K and V: 64 KiB each per head)
+ * instead of an online softmax: the same sums, less bookkeeping.
+ */
+#include <string.h>
+
+#include "gemv_bf16.c"
+#include "rows.c"
+
+#define AR 12 /* query rows a block: MB_MAX of gemv_bf16.c */
+
+/* V^T of keys [0, n) as a weight [hd, n]: vp[(d / P) * Kp * 2P + kp * 2P + (d % P) * 2 + h] =
+ * v[(2 kp + h) * ld + d], Kp = ceil(n / 2), zero past n. hd % P == 0. */
+static void pack_vt(const uint16_t *v, long ld, long n, long hd, uint16_t *vp) {
+    long kp_n = (n + 1) / 2;
+    for (long p = 0; p < hd / P; p++) {
+        uint16_t *dst = vp + p * kp_n * 2 * P;
+        for (long kp = 0; kp < kp_n; kp++)
+            for (long h = 0; h < 2; h++) {
+                long j = 2 * kp + h;
+                for (long d = 0; d < P; d++)
+                    dst[kp * 2 * P + d * 2 + h] = j < n ? v[j * ld + p * P + d] : 0;
+            }
+    }
+}
+
+/* Elements of one (sequence, KV head)'s packed K and V^T for n keys. */
+static long packed_kv(long n, long hd) {
+    return (n + P - 1) / P * (hd / 2) * 2 * P + hd / P * ((n + 1) / 2) * 2 * P;
+}
+
+#if TG_BF16
+
+/* One block: query rows of positions [t0, t0 + npos) x rep heads of KV head g. */
+static void attend_block(const uint16_t *qkv, long ld, long first, long n, long t0, long npos,
+                         long rep, long g, long hd, float scale, long window,
+                         const uint16_t *kp, const uint16_t *vt, uint16_t *out, long out_ld,
+                         uint16_t *qb, float *s, uint16_t *pb, float *o) {
+    long kmax = t0 + npos, np = (kmax + P - 1) / P, spad = np * P, ppad = (kmax + 1) / 2 * 2;
+    memset(qb, 0, (size_t)AR * hd * sizeof(uint16_t));
+    for (long i = 0; i < npos; i++)
+        for (long h = 0; h < rep; h++)
+            memcpy(qb + (i * rep + h) * hd, qkv + (first + t0 + i) * ld + (g * rep + h) * hd,
+                   (size_t)hd * sizeof(uint16_t));
+    long kstride = (hd / 2) * 2 * P;
+    for (long p = 0; p < np; p++)
+        panel_t(qb, hd, kp + p * kstride, hd / 2, s + p * P, spad, P, AR, 1, 1);
+    float inv[AR];
+    for (long r = 0; r < npos * rep; r++) {
+        long tq = t0 + r / rep, lo = window > 0 && tq + 1 > window ? tq + 1 - window : 0;
+        float *sr = s + r * spad, m = -INFINITY;
+        uint16_t *pr = pb + r * ppad;
+        for (long j = lo; j <= tq; j++) m = sr[j] > m ? sr[j] : m;
+        float total = 0.0f;
+        long j = 0;
+        for (; j + VL <= ppad; j += VL) {
+            vf e = vexp_neg((*(vfu *)(sr + j) - m) * scale);
+            vi idx = {};
+            for (int u = 0; u < VL; u++) idx[u] = (int)(j + u);
+            vi keep = (idx >= (vi){} + (int)lo) & (idx <= (vi){} + (int)tq);
+            e = (vf)((vi)e & keep);
+            vf eb = rne(e);
+            total += vsum(eb);
+            *(vhu *)(pr + j) = __builtin_convertvector((vu)eb >> 16, vh);
+        }
+        for (; j < ppad; j++) {
+            float e = 0.0f;
+            if (j >= lo && j <= tq) {
+                vf v = (vf){} - 100.0f;
+                v[0] = (sr[j] - m) * scale;
+                e = rne(vexp_neg(v))[0];
+            }
+            total += e;
+            pr[j] = (uint16_t)(((vu)((vf){} + e))[0] >> 16);
+        }
+        inv[r] = total > 0.0f ? 1.0f / total : 0.0f;
+    }
+    for (long r = npos * rep; r < AR; r++) memset(pb + r * ppad, 0, (size_t)ppad * 2);
+    long vstride = ((n + 1) / 2) * 2 * P;
+    for (long p = 0; p < hd / P; p++)
+        panel_t(pb, ppad, vt + p * vstride, ppad / 2, o + p * P, hd, P, AR, 1, 1);
+    for (long r = 0; r < npos * rep; r++) {
+        uint16_t *dst = out + (first + t0 + r / rep) * out_ld + (g * rep + r % rep) * hd;
+        for (long d = 0; d < hd; d += VL) store_bf16(dst + d, *(vfu *)(o + r * hd + d) * inv[r]);
+    }
+}
+
+#endif
+
+/* For each sequence s with firsts[s] < T: its lens[s] queries at rows firsts[s] + i of qkv [T,
+ * ld] (query head h at column h hd, keys at nh hd + g hd, values at (nh + nkv) hd + g hd)
+ * attend causally (query i to keys max(0, i + 1 - window) .. i; window 0: none) among the
+ * same rows; results to out[(firsts[s] + i) * out_ld + h hd]. Returns 0, -1 on shapes it does
+ * not take (hd % 32, nh / nkv > 12), -2 without memory, -3 without AVX512-BF16. */
+int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *firsts,
+                              const long *lens, long nseq, long nh, long nkv, long hd,
+                              float scale, long window, uint16_t *out, long out_ld,
+                              int nthreads) {
+#if !TG_BF16
+    (void)qkv, (void)ld, (void)T, (void)firsts, (void)lens, (void)nseq, (void)nh, (void)nkv;
+    (void)hd, (void)scale, (void)window, (void)out, (void)out_ld, (void)nthreads;
+    return -3;
+#else
+    if (nh % nkv || hd % P || nh / nkv > AR || nseq < 0) return -1;
+    long rep = nh / nkv, npos = AR / rep, nq = nh * hd, maxn = 1, nblocks = 0;
+    long *off = malloc((size_t)(nseq + 1) * sizeof(long));   /* packed K/V offsets */
+    long *boff = malloc((size_t)(nseq + 1) * sizeof(long));  /* first block of each */
+    if (!off || !boff) {
+        free(off), free(boff);
+        return -2;
+    }
+    off[0] = boff[0] = 0;
+    for (long s = 0; s < nseq; s++) {
+        long n = firsts[s] < T ? lens[s] : 0;
+        maxn = n > maxn ? n : maxn;
+        off[s + 1] = off[s] + nkv * packed_kv(n, hd);
+        boff[s + 1] = boff[s] + (n + npos - 1) / npos;
+    }
+    nblocks = boff[nseq] * nkv;
+    long spad = (maxn + P - 1) / P * P, ppad = (maxn + 1) / 2 * 2;
+    long per_thread = AR * hd * 2 + AR * spad * 4 + AR * ppad * 2 + AR * hd * 4 + 4 * 64;
+    uint16_t *packs = malloc((size_t)(off[nseq] > 0 ? off[nseq] : 1) * sizeof(uint16_t));
+    char *scratch = malloc((size_t)per_thread * (size_t)nthreads);
+    int failed = !packs || !scratch;
+    if (!failed) {
+#pragma omp parallel num_threads(nthreads)
+        {
+#ifdef _OPENMP
+            extern int omp_get_thread_num(void);
+            char *mine = scratch + (long)omp_get_thread_num() * per_thread;
+#else
+            char *mine = scratch;
+#endif
+            uint16_t *qb = (uint16_t *)mine;
+            float *sc = (float *)(mine + AR * hd * 2);
+            uint16_t *pb = (uint16_t *)((char *)sc + AR * spad * 4);
+            float *o = (float *)((char *)pb + AR * ppad * 2);
+#pragma omp for collapse(2) schedule(static)
+            for (long s = 0; s < nseq; s++)
+                for (long g = 0; g < nkv; g++) {
+                    long n = firsts[s] < T ? lens[s] : 0;
+                    if (n == 0) continue;
+                    uint16_t *kp = packs + off[s] + g * packed_kv(n, hd);
+                    const uint16_t *rows = qkv + firsts[s] * ld;
+                    pack_rows(rows + nq + g * hd, ld, kp, n, hd);
+                    pack_vt(rows + nq + nkv * hd + g * hd, ld, n, hd,
+                            kp + (n + P - 1) / P * (hd / 2) * 2 * P);
+                }
+            /* (implicit barrier: every K and V^T packed) */
+#pragma omp for schedule(dynamic, 1)
+            for (long b = 0; b < nblocks; b++) {
+                long g = b % nkv, blk = b / nkv, s = 0;
+                while (boff[s + 1] <= blk) s++;
+                long n = lens[s], t0 = (blk - boff[s]) * npos;
+                long k = npos < n - t0 ? npos : n - t0;
+                const uint16_t *kp = packs + off[s] + g * packed_kv(n, hd);
+                attend_block(qkv, ld, firsts[s], n, t0, k, rep, g, hd, scale, window, kp,
+                             kp + (n + P - 1) / P * (hd / 2) * 2 * P, out, out_ld, qb, sc, pb,
+                             o);
+            }
+        }
+    }
+    free(packs), free(scratch), free(off), free(boff);
+    return failed ? -2 : 0;
+#endif
+}
+
+int tg_attn_bf16_abi(void) { return 1; }
