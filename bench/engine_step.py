@@ -12,6 +12,11 @@ instead of model/kernels/rows.c; --old-buckets
 runs with the token-bucket floor of 16 that preceded session 19, --profile adds a cProfile of
 the steps. Set OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=200000 to match the served engine.
 
+--paired-bound reads the bandwidth again after every decode step (an fp32 and an int32 max,
+~25 ms) and reports the median of each step's ratio to its own bound: the memory's rate on
+these machines moves by up to 1.7x within minutes (session 30), so a bound read once before
+the run can flatter or wrong the step.
+
 --prefill-peak times the prefill of --batch x --prompt tokens (every step until each prompt
 has its first token) against the FLOPs it needs and bench_engine.py's matmul peak (2048^3
 products for 1 s) in the same dtype on the same threads (the compute bound).
@@ -80,6 +85,26 @@ def read_bandwidth(threads: int, mbytes: int = 512, repeat: int = 7) -> float:
 def _best(fn: Any, repeat: int) -> float:
     fn()
     return min(_timed(fn) for _ in range(repeat))
+
+
+PAIRED: list[float] = []  # each run_engine's median step / paired bound (--paired-bound)
+
+
+def quick_bandwidth(threads: int, mbytes: int = 512) -> Any:
+    """A probe: GB/s of the faster of an fp32 max and an int32 max over `mbytes` MB (one of
+    each, ~25 ms), read between decode steps."""
+    a = torch.ones(mbytes * 2**20 // 4)
+    reads = (a.amax, a.view(torch.int32).max)
+
+    def probe() -> float:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return a.numel() * 4 / min(_timed(fn) for fn in reads) / 1e9
+        finally:
+            torch.set_num_threads(before)
+
+    return probe
 
 
 PREFILL_STEPS: list[float] = []  # the last run's prefill steps (until every first token), s
@@ -184,6 +209,12 @@ def main() -> None:
         "--kv-cache-gib", type=int, default=4, help="KV pool (bench_vllm.py gives both 4 GiB)"
     )
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--paired-bound",
+        action="store_true",
+        help="read the bandwidth after every decode step and report the median of each "
+        "step's own ratio to its bound (the memory's rate moves with the neighbours)",
+    )
     args = ap.parse_args()
     model = args.model or default_model_dir()
     cfg = MistralConfig.from_dir(model)
@@ -222,6 +253,11 @@ def main() -> None:
             f"op by op {op:.1f} ms (op by op / fused {op / fused:.2f}x); bound {b:.1f} ms: "
             f"fused {fused / b:.2f}x the bound, op by op {op / b:.2f}x"
         )
+        if len(PAIRED) == 2:
+            print(
+                f"decode step / paired bound (bandwidth read after each step): fused "
+                f"{PAIRED[1]:.2f}x, op by op {PAIRED[0]:.2f}x"
+            )
         return
     variants = [True, False] if args.ab_kernel else [not args.no_kernel]
     steps: dict[bool, float] = {}
@@ -235,6 +271,11 @@ def main() -> None:
             f"oneDNN {o:.1f} ms (oneDNN / kernel {o / k:.2f}x); bound {b:.1f} ms: "
             f"kernel {k / b:.2f}x the bound, oneDNN {o / b:.2f}x"
         )
+        if len(PAIRED) == 2:
+            print(
+                f"decode step / paired bound (bandwidth read after each step): kernel "
+                f"{PAIRED[1]:.2f}x, oneDNN {PAIRED[0]:.2f}x"
+            )
 
 
 def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: bool) -> float:
@@ -287,6 +328,8 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: b
             encode(UpdateMsg(outputs=outs, stats=core.stats()))
             steps.append(t1 - t0)
             encodes.append(time.perf_counter() - t1)
+            if probe is not None:
+                rates.append(probe())
             if len(started) < args.batch:
                 started.update(o.request_id for o in outs if o.new_token_ids)
                 prefill_steps += 1
@@ -294,9 +337,21 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: b
         PREFILL_STEPS[:] = steps[:n]
         return steps[n:], forwards[n:], encodes[n:]  # the prefill steps left out
 
+    probe = quick_bandwidth(args.threads) if args.paired_bound else None
+    rates: list[float] = []
     run("warm")
+    rates.clear()
     steps, fwd, enc = run("run")
     s, f, e = (statistics.median(x) * 1e3 for x in (steps, fwd, enc))
+    if probe is not None:
+        wb = weight_bytes(core.runner.mcfg, core.runner.dtype.itemsize)
+        paired = [st * gbs * 1e9 / wb for st, gbs in zip(steps, rates[-len(steps) :], strict=True)]
+        print(
+            f"paired bound: bandwidth after each step {min(rates):.1f}-{max(rates):.1f} GB/s "
+            f"(median {statistics.median(rates):.1f}); step / its own bound: median "
+            f"{statistics.median(paired):.2f}x (p10 {sorted(paired)[len(paired) // 10]:.2f}x)"
+        )
+        PAIRED.append(statistics.median(paired))
     kernel = "kernel" if core.runner.small_m_kernel is not None else "oneDNN"
     if core.runner.model._stack is not None:
         kernel += ", fused decode stack"
