@@ -160,6 +160,18 @@ def _engine(monkeypatch: pytest.MonkeyPatch, amx: bool, **extra: object) -> Engi
     return EngineCore(cfg, default_model_dir())
 
 
+def _greedy(core: EngineCore, prompts: list[list[int]], tokens: int) -> dict[str, list[int]]:
+    """Every prompt generated greedily to `tokens` tokens on `core`: request id -> tokens."""
+    for i, p in enumerate(prompts):
+        sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        core.add(EngineRequest(request_id=f"r{i}", prompt_token_ids=tuple(p), sampling=sp))
+    got: dict[str, list[int]] = {}
+    while core.has_work():
+        for o in core.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return got
+
+
 def test_engine_runs_bf16_on_the_kernel_without_amx_and_on_onednn_with_it(
     kernel: Bf16Kernel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -186,18 +198,8 @@ def test_engine_generates_on_the_kernel(
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(2, 40))] for _ in range(12)]
 
-    def greedy(core: EngineCore) -> dict[str, list[int]]:
-        for i, p in enumerate(prompts):
-            sp = SamplingParams(max_tokens=12, ignore_eos=True)
-            core.add(EngineRequest(request_id=f"r{i}", prompt_token_ids=tuple(p), sampling=sp))
-        got: dict[str, list[int]] = {}
-        while core.has_work():
-            for o in core.step():
-                got.setdefault(o.request_id, []).extend(o.new_token_ids)
-        return got
-
-    ours = greedy(_engine(monkeypatch, amx=False))
-    onednn = greedy(_engine(monkeypatch, amx=False, small_m_kernel=False))
+    ours = _greedy(_engine(monkeypatch, amx=False), prompts, 12)
+    onednn = _greedy(_engine(monkeypatch, amx=False, small_m_kernel=False), prompts, 12)
     assert all(len(ours[f"r{i}"]) == 12 for i in range(len(prompts)))
     same_first = sum(ours[r][0] == onednn[r][0] for r in ours)
     assert same_first >= 10, (ours, onednn)
@@ -306,19 +308,10 @@ def test_engine_greedy_tokens_identical_with_and_without_the_bf16_stack(
     rng = random.Random(21)
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(2, 60))] for _ in range(20)]
 
-    def greedy(core: EngineCore) -> dict[str, list[int]]:
-        for i, p in enumerate(prompts):
-            sp = SamplingParams(max_tokens=16, ignore_eos=True)
-            core.add(EngineRequest(request_id=f"r{i}", prompt_token_ids=tuple(p), sampling=sp))
-        got: dict[str, list[int]] = {}
-        while core.has_work():
-            for o in core.step():
-                got.setdefault(o.request_id, []).extend(o.new_token_ids)
-        return got
-
     fused = _engine(monkeypatch, amx=False)
     assert fused.runner.model._stack is not None
-    assert greedy(fused) == greedy(_engine(monkeypatch, amx=False, fused_decode=False))
+    unfused = _engine(monkeypatch, amx=False, fused_decode=False)
+    assert _greedy(fused, prompts, 16) == _greedy(unfused, prompts, 16)
 
 
 # ---- first chunks' causal attention in bf16 (attn_bf16.c) ----

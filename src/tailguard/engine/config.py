@@ -88,7 +88,7 @@ class EngineConfig:
     ~/.cache/tailguard/kernels) and run every matmul on it: at decode sizes (up to ~64 rows)
     it streams the weights at about the read bandwidth where oneDNN's fp32 kernel reaches
     50-75% of it; above that its prefill step measured the same as oneDNN's (one copy). CPU
-    bf16 on AVX512-BF16 without AMX (AMD Zen 4): the same with model/kernels/gemv_bf16.c, 1.2-2x
+    bf16 on AVX512-BF16 without AMX (AMD Zen 4): the same with model/kernels/gemv_bf16.c, 1.1-2x
     oneDNN's bf16 speed at 1-8 rows, equal at 256 (with AMX oneDNN's tiles stay). Without a
     compiler, or if the build or its self-check fails, the engine logs one line saying why and
     uses oneDNN (`prepack_weights`). False: oneDNN only (A/B)."""

@@ -3,7 +3,7 @@
  *
  * Why our own: at decode sizes the product is a few multiply-adds per weight, so the job is
  * to read every weight once at the memory's rate. oneDNN's bf16 kernel on a 2-core Zen 4
- * streams an 8-row decode's weights at ~19 GB/s of the 35 GB/s the cores can read
+ * streams an 8-row decode's weights at 18-27 GB/s of the 27-55 GB/s the cores can read
  * (docs/benchmarks.md, issue 12, session 30).
  *
  * Weight layout (tg_bf16_pack): panels of P = 32 output columns, each [K/2][P][2] bf16: at

@@ -9,8 +9,8 @@ product before use. A CPU without the instructions (AVX2 only), no compiler, a f
 a wrong result mean None: the engine uses oneDNN's bf16 matmul.
 
 Measured on a 2-core AMD EPYC (Zen 4, avx512_bf16, no AMX; docs/benchmarks.md, issue 12,
-session 30), the model M's shapes over distinct weights: 1.2-2.0x oneDNN's speed at 1-8 rows
-(29-47 GB/s of weights against 18-27), 1.1-1.2x at 32, 1.04-1.15x at 64, equal at 256 rows
+session 30), the model M's shapes over distinct weights: 1.1-2.0x oneDNN's speed at 1-8 rows
+(27-51 GB/s of weights against 18-27), 1.1-1.2x at 32, 1.04-1.15x at 64, equal at 256 rows
 (~425 GFLOP/s each, the `vdpbf16ps` peak of the two cores): so one copy of each weight, in
 this layout, serves every step.
 """
