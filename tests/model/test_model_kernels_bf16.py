@@ -1,14 +1,15 @@
 """The bf16 linear kernel (model/kernels/gemv_bf16.c): against a float64 product on every
 block-size edge, what it refuses, the model on it against oneDNN's bf16 and the fp32
-reference, and where the engine uses it (bf16 without AMX) and where not; the bf16 decode
-stack (decode_bf16.c) against the op-by-op forward, bit for bit; the bf16 prefill attention
-(attn_bf16.c) against SDPA."""
+reference, on both of its paths (vdpbf16ps, and AMX tiles where the CPU has them), and where
+the engine uses it and where not; the bf16 decode stack (decode_bf16.c) against the op-by-op
+forward, bit for bit; the bf16 prefill attention (attn_bf16.c) against SDPA."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,18 +56,35 @@ def kernel() -> Bf16Kernel:
     return k
 
 
+@pytest.fixture(params=["vdpbf16ps", "amx"])
+def amx(request: pytest.FixtureRequest, kernel: Bf16Kernel) -> Iterator[bool]:
+    """The kernel on one of its paths for the test (AMX skipped where the CPU or the build has
+    no tiles); the engine's runner then sets the decode stack to the same path."""
+    on = request.param == "amx"
+    before = kernel.amx
+    if kernel.use_amx(on) != on:
+        kernel.use_amx(before)
+        pytest.skip("no AMX tiles here (CPU or build)")
+    yield on
+    kernel.use_amx(before)
+
+
 def _rel_err(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     want = x.double() @ w.double().t()
     return ((got.double() - want).abs() / (want.abs() + 1.0)).max().item()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_float64_on_every_block_edge(kernel: Bf16Kernel, threads: int) -> None:
-    """Rows 1-13 and 25 (in place up to 12, paired chunks above), odd K, partial panels: within
-    one bf16 rounding of the exact product (fp32 sums, rounded once)."""
+def test_kernel_matches_float64_on_every_block_edge(
+    kernel: Bf16Kernel, amx: bool, threads: int
+) -> None:
+    """Rows 1-17, 25, 32, 33 and 45 (vdpbf16ps: in place up to 12, paired chunks above; AMX:
+    one in-place tile up to 16, padded blocks of 32 above), odd K and K off 32 (the vdpbf16ps
+    path on an AMX machine), partial panels: within one bf16 rounding of the exact product
+    (fp32 sums, rounded once)."""
     g = torch.Generator().manual_seed(3)
-    for m in (*range(1, 14), 25):
-        for n, k in ((31, 64), (33, 65), (64, 128), (70, 7)):
+    for m in (*range(1, 18), 25, 32, 33, 45):
+        for n, k in ((31, 64), (33, 65), (64, 128), (70, 7), (50, 96)):
             x = torch.randn(m, k, generator=g).bfloat16()
             w = torch.randn(n, k, generator=g).bfloat16()
             got = kernel.linear(x, kernel.pack(w), threads)
@@ -74,14 +92,14 @@ def test_kernel_matches_float64_on_every_block_edge(kernel: Bf16Kernel, threads:
             assert _rel_err(got, x, w) < 2.0**-8, (m, n, k)
 
 
-def test_kernel_reads_strided_and_misaligned_inputs(kernel: Bf16Kernel) -> None:
+def test_kernel_reads_strided_and_misaligned_inputs(kernel: Bf16Kernel, amx: bool) -> None:
     """A view of wider rows (qkv-style) is read in place; a view starting on an odd element
     (not a 32-bit boundary) is copied first; both give the contiguous input's answer."""
     g = torch.Generator().manual_seed(4)
-    wide = torch.randn(9, 300, generator=g).bfloat16()
+    wide = torch.randn(40, 300, generator=g).bfloat16()  # 40 rows: AMX's padded blocks too
     w = torch.randn(96, 128, generator=g).bfloat16()
     wp = kernel.pack(w)
-    for view in (wide[:, :128], wide[:, 1:129], wide[:3, 7:135]):
+    for view in (wide[:, :128], wide[:9, :128], wide[:, 1:129], wide[:3, 7:135], wide[:14, 2:130]):
         assert torch.equal(kernel.linear(view, wp), kernel.linear(view.contiguous(), wp))
 
 
@@ -172,24 +190,33 @@ def _greedy(core: EngineCore, prompts: list[list[int]], tokens: int) -> dict[str
     return got
 
 
-def test_engine_runs_bf16_on_the_kernel_without_amx_and_on_onednn_with_it(
-    kernel: Bf16Kernel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_engine_runs_bf16_on_the_kernel_unless_only_onednn_has_amx(
+    kernel: Bf16Kernel, amx: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ours = _engine(monkeypatch, amx=False)
-    assert ours.runner.small_m_kernel is kernel
-    assert isinstance(ours.runner.model.layers[0].attn.wqkv, KernelLinear)
-    assert ours.runner.model._stack is not None  # and the bf16 decode stack
+    """The kernel on its path, with the decode stack on the same path; oneDNN's matmuls where
+    oneDNN has AMX tiles and the kernel has not (its vdpbf16ps path is 5-10x slower than AMX at
+    prefill sizes), or where the config turns the kernel off."""
+    for onednn_amx in (False, True):
+        ours = _engine(monkeypatch, amx=onednn_amx)
+        if onednn_amx and not amx:
+            assert ours.runner.small_m_kernel is None and ours.runner.model._stack is None
+            assert isinstance(ours.runner.model.layers[0].attn.wqkv, PackedLinear)
+            continue
+        assert ours.runner.small_m_kernel is kernel and kernel.amx == amx
+        assert isinstance(ours.runner.model.layers[0].attn.wqkv, KernelLinear)
+        stack = ours.runner.model._stack  # and the bf16 decode stack, on the kernel's path
+        assert stack is not None and stack.kernel.amx == amx
     with caplog.at_level(logging.INFO, logger="tailguard.engine"):
-        tiles = _engine(monkeypatch, amx=True)
-    assert tiles.runner.small_m_kernel is None and tiles.runner.model._stack is None
-    assert isinstance(tiles.runner.model.layers[0].attn.wqkv, PackedLinear)
+        kernel.use_amx(False)
+        _engine(monkeypatch, amx=True)
+        kernel.use_amx(amx)
     assert "AMX" in caplog.text
     off = _engine(monkeypatch, amx=False, small_m_kernel=False)
     assert isinstance(off.runner.model.layers[0].attn.wqkv, PackedLinear)
 
 
 def test_engine_generates_on_the_kernel(
-    kernel: Bf16Kernel, monkeypatch: pytest.MonkeyPatch
+    kernel: Bf16Kernel, amx: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The embedded model in bf16 on the kernel: decodes of 1-12 sequences and prefills run,
     every request gets its tokens, and the first greedy token of each (a prefill's last row)
@@ -226,13 +253,14 @@ def _bf16_stack_or_skip(kernel: Bf16Kernel) -> DecodeStack:
 
 
 def test_bf16_decode_stack_gives_the_op_by_op_bits(
-    kernel: Bf16Kernel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kernel: Bf16Kernel, amx: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bf16 checkpoint (GQA, a 16-token window, head_dim 32 so RoPE runs on the row kernel)
     on the bf16 kernel and row kernels: a prefill op by op, then 12 decode steps of three
     sequences past the window on the stack, bit for bit the op-by-op forward's hidden states
     and KV cache (each phase rounds where the op it replaces rounds)."""
     stack = _bf16_stack_or_skip(kernel)
+    assert stack.use_amx(amx) == amx  # the kernel's path
     calls = []
     run = DecodeStack.run
 
@@ -299,11 +327,11 @@ def test_bf16_decode_stack_self_check_catches_a_wrong_stack(kernel: Bf16Kernel) 
 
 
 def test_engine_greedy_tokens_identical_with_and_without_the_bf16_stack(
-    kernel: Bf16Kernel, monkeypatch: pytest.MonkeyPatch
+    kernel: Bf16Kernel, amx: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The embedded model in bf16: 20 sequences (decode batches above the kernel's 12 direct
-    rows, so the paired-chunk path runs too) generate the same greedy tokens with the stack
-    as op by op."""
+    rows and AMX's 16-row tile, so the blocked paths run too) generate the same greedy tokens
+    with the stack as op by op."""
     _bf16_stack_or_skip(kernel)
     rng = random.Random(21)
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(2, 60))] for _ in range(20)]
@@ -412,10 +440,16 @@ def test_model_prefill_on_the_kernel_is_as_close_to_fp32_as_sdpa(
 def test_engine_binds_the_prefill_attention_with_the_bf16_kernel(
     kernel: Bf16Kernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The embedded model (head_dim 32) in bf16 without AMX: every layer's first chunks on the
-    kernel, and not with oneDNN's matmuls (AMX, or the kernel turned off)."""
+    """The embedded model (head_dim 32) in bf16 on the kernel's vdpbf16ps path: every layer's
+    first chunks on the attention kernel; not with the kernel on AMX tiles (torch's attention
+    is the faster one there), nor with oneDNN's matmuls."""
     attn = _prefill_or_fail(kernel)
-    ours = _engine(monkeypatch, amx=False)
+    before = kernel.amx
+    kernel.use_amx(False)
+    try:
+        ours = _engine(monkeypatch, amx=False)
+    finally:
+        kernel.use_amx(before)
     assert all(ly.attn.prefill is attn for ly in ours.runner.model.layers)  # type: ignore[union-attr]
     tiles = _engine(monkeypatch, amx=True)
     assert all(ly.attn.prefill is None for ly in tiles.runner.model.layers)  # type: ignore[union-attr]

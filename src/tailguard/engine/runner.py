@@ -108,10 +108,14 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.layout = self._allocate_kv()
         kernel = self.small_m_kernel
-        if kernel is not None and kernel.dtype == torch.bfloat16:  # bf16 without AMX
+        if kernel is not None and kernel.dtype == torch.bfloat16 and not kernel.amx:
+            # attn_bf16.c runs on vdpbf16ps: with AMX torch's attention is the faster one
             self.model.use_prefill_attention(load_prefill_attention())
         if config.fused_decode and kernel is not None and self.row_kernel is not None:
-            self.model.use_decode_stack(load_decode_stack(kernel.dtype), self.kv_caches)
+            stack = load_decode_stack(kernel.dtype)
+            if stack is not None:
+                stack.use_amx(kernel.amx)  # the op-by-op path's bits
+            self.model.use_decode_stack(stack, self.kv_caches)
         self._pool_sums: dict[str, torch.Tensor] = {}  # request id -> running hidden sum (fp32)
         self._generators: dict[str, torch.Generator] = {}  # seeded sampling, per request
         # requests without a seed of their own sample from one generator seeded from the
@@ -126,24 +130,33 @@ class ModelRunner:
 
     def _small_m_kernel(self) -> LinearKernel | None:
         """Our own linear kernel where the config asks for it and it applies, else None: CPU
-        fp32 (gemv.c), or CPU bf16 where oneDNN has no AMX tiles to run it on (gemv_bf16.c;
-        with AMX oneDNN's bf16 matmul is the faster one). A dtype or device it does not cover
-        is said once here, a failed build or a CPU without AVX512-BF16 by the loader."""
+        fp32 (gemv.c), or CPU bf16 (gemv_bf16.c: vdpbf16ps, and AMX tiles where the CPU has
+        them). A dtype or device it does not cover is said once here, a failed build or a CPU
+        without AVX512-BF16 by the loader."""
         if not self.config.small_m_kernel:
             return None
         if self.device.type == "cpu" and self.dtype == torch.float32:
             return load_small_m_kernel()
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            if onednn_uses_amx(read_cpu_flags(), onednn_isa_cap()):
-                log.info("tailguard: bf16 on AMX tiles: oneDNN's matmuls, not the bf16 kernel")
-                return None
-            return load_bf16_kernel()
+            return self._bf16_kernel()
         log.warning(
             "tailguard: our linear kernels are for CPU fp32 and bf16, this engine runs %s on "
             "%s: using the device's matmuls",
             self.dtype,
             self.device,
         )
+        return None
+
+    @staticmethod
+    def _bf16_kernel() -> LinearKernel | None:
+        """gemv_bf16.c, on AMX tiles where oneDNN would have them: there its AMX path beats
+        oneDNN's up to ~256 rows and matches it above (docs/benchmarks.md, issue 12, session
+        31), but without AMX in our build its vdpbf16ps path is 5-10x slower than oneDNN's AMX
+        at prefill sizes, so then oneDNN keeps the matmuls."""
+        kernel = load_bf16_kernel()
+        if kernel is None or kernel.amx or not onednn_uses_amx(read_cpu_flags(), onednn_isa_cap()):
+            return kernel
+        log.info("tailguard: bf16 on AMX tiles: oneDNN's matmuls (the bf16 kernel has no AMX)")
         return None
 
     # ---- memory --------------------------------------------------------------------------

@@ -36,7 +36,7 @@ __all__ = [
 SOURCE = Path(__file__).with_name("decode.c")
 ABI = 1
 SOURCE_BF16 = Path(__file__).with_name("decode_bf16.c")
-ABI_BF16 = 1
+ABI_BF16 = 2
 
 
 class _Layer(ctypes.Structure):
@@ -97,7 +97,13 @@ class DecodeStack:
         self._pack.argtypes = [c_void_p, c_void_p, c_long, c_long]
         self.width = int(width())
         self.lanes = int(lib.tg_rows_lanes())
+        self.amx = False
         self._lib = lib
+
+    def use_amx(self, on: bool) -> bool:
+        """The linears on AMX tiles (bf16 only; the same as the bf16 kernel's use_amx, so the
+        stack gives the op-by-op path's bits). Returns whether AMX is now on."""
+        return False
 
     def pack(self, w: Tensor) -> Tensor:
         """[N, K] fp32 -> tg_pack panels [ceil(N / width), K, width] (as the small-M kernel)."""
@@ -158,6 +164,17 @@ class Bf16DecodeStack(DecodeStack):
         "tg_bf16_pack",
         "tg_bf16_panel_width",
     )
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        super().__init__(lib, path)
+        self._set_amx = lib.tg_bf16_set_amx
+        self._set_amx.restype = ctypes.c_int
+        self._set_amx.argtypes = [ctypes.c_int]
+        self.amx = bool(self._set_amx(1))
+
+    def use_amx(self, on: bool) -> bool:
+        self.amx = bool(self._set_amx(int(on)))
+        return self.amx
 
     def pack(self, w: Tensor) -> Tensor:
         """[N, K] bf16 -> tg_bf16_pack panels [ceil(N / width), ceil(K / 2), 2 width] (as the

@@ -38,11 +38,18 @@ static long max3(long a, long b, long c) { return a > b ? (a > c ? a : c) : (b >
 /* Bytes of scratch tg_decode_stack_bf16 needs (each part 64-byte aligned). */
 static long align64(long n) { return (n + 63) / 64 * 64; }
 
+/* The linears' x scratch for T rows, on either path (vdpbf16ps pairs or the AMX copy). */
+static long xt_bytes(long T, long kmax) {
+    long pairs = T > MB_MAX ? 4 * T * ((kmax + 1) / 2) : 0;
+    long amx = amx_copy_bytes(T, kmax);
+    return align64(pairs > amx ? pairs : amx);
+}
+
 long tg_decode_scratch_bf16(const struct tg_dims_bf16 *d, long T, long max_ctx, int nthreads) {
     long nq = d->nh * d->hd, nqkv = (d->nh + 2 * d->nkv) * d->hd;
     long acts = align64(2 * T * d->H) * 2 + align64(2 * T * nqkv) + align64(2 * (T + 1) * nq) +
                 align64(2 * T * 2 * d->I) + align64(2 * T * d->I);
-    long xt = T > MB_MAX ? align64(4 * T * ((max3(d->H, nq, d->I) + 1) / 2)) : 0;
+    long xt = xt_bytes(T, max3(d->H, nq, d->I));
     long scores = align64(4L * nthreads * (d->nh / d->nkv) * (max_ctx + 1));
     return acts + xt + scores;
 }
@@ -85,7 +92,7 @@ int tg_decode_stack_bf16(const struct tg_layer_bf16 *layers, long n_layers,
     bf16_t *act = (bf16_t *)c;
     c += align64(2 * T * I);
     uint32_t *xt = (uint32_t *)c;
-    c += T > MB_MAX ? align64(4 * T * ((max3(H, nq, I) + 1) / 2)) : 0;
+    c += xt_bytes(T, max3(H, nq, I));
     float *scores = (float *)c;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -142,4 +149,4 @@ int tg_decode_stack_bf16(const struct tg_layer_bf16 *layers, long n_layers,
 #endif
 }
 
-int tg_decode_bf16_abi(void) { return 1; }
+int tg_decode_bf16_abi(void) { return 2; }

@@ -22,6 +22,15 @@
  *
  * Sums are fp32 in the kernel's own order and rounded to bf16 once (round to nearest even), as
  * oneDNN's bf16 matmul does; the two differ by summation order only.
+ *
+ * AMX (Sapphire Rapids and later; tg_bf16_set_amx(1)): the same panels are AMX's B operand as
+ * they are: 16 k-pair rows of 16 columns x 2 bf16 is one 64-byte tile row, and the panel's
+ * 128-byte k-pair stride is the tile's load stride, so one copy of each weight serves both
+ * paths. Up to 16 rows one A tile (M rows of x, read in place) meets the panel's two B tiles;
+ * above, x is copied into zero-padded blocks of 32 rows and each panel is a 2 x 2 grid of C
+ * tiles. On a 2-core Xeon with AMX our vdpbf16ps path runs ~90-150 GFLOP/s, so an 8-row decode
+ * is compute-bound on it, and oneDNN's AMX kernels stream small-M weights at 6-15 GB/s
+ * (docs/benchmarks.md, issue 12, session 31). Needs K % 32 == 0 (else the vdpbf16ps path).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,6 +41,14 @@
 #define TG_BF16 1
 #else
 #define TG_BF16 0
+#endif
+
+#if TG_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TG_AMX 1
+#else
+#define TG_AMX 0
 #endif
 
 #define P 32           /* output columns per panel: two vectors of 16 fp32 lanes */
@@ -182,8 +199,169 @@ static void my_panels(long panels, long *b, long *e) {
     *e = panels * (t + 1) / nt;
 }
 
+#if TG_AMX
+static int g_amx = 0; /* tg_bf16_set_amx */
+
+#define AMX_K 32    /* k per tile step: 16 pairs */
+#define AMX_M 16    /* rows per A / C tile */
+#define AMX_XB 32   /* rows per x block above AMX_M rows: a 2 x 2 grid of C tiles */
+#ifndef AMX_L2_X_BYTES
+#define AMX_L2_X_BYTES (1024 * 1024)
+#endif
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Tiles: 0-3 C (row block r, column half c at 2r + c), 4-5 A (row blocks), 6-7 B (halves). */
+static void amx_configure(int rows) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = t >= 6 ? 16 : (uint8_t)rows;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* c[rows][P] fp32 (ldc floats) rounded into y rows (nvalid columns). */
+static void amx_store(const float *c, long ldc, int rows, uint16_t *y, long ldy, long nvalid) {
+    for (int m = 0; m < rows; m++) {
+        store16(y + m * ldy, _mm512_loadu_ps(c + m * ldc), nvalid);
+        store16(y + m * ldy + 16, _mm512_loadu_ps(c + m * ldc + 16), nvalid - 16);
+    }
+}
+
+/* Up to 16 rows: each of this thread's panels against x read in place (ldx apart). */
+static void amx_small(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
+                      long M, long N, long K, long b, long e) {
+    long kp_n = K / 2, pstride = kp_n * 2 * P;
+    float c[AMX_M * P] __attribute__((aligned(64)));
+    amx_configure((int)M);
+    for (long p = b; p < e; p++) {
+        const uint16_t *w = wp + p * pstride;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (long k = 0; k < K; k += AMX_K) {
+            const uint16_t *wk = w + (k / 2) * 2 * P;
+            _tile_loadd(4, x + k, ldx * 2);
+            _tile_loadd(6, wk, 2 * P * 2);
+            _tile_loadd(7, wk + P, 2 * P * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, c, P * 4);
+        _tile_stored(1, c + 16, P * 4);
+        long n0 = p * P;
+        amx_store(c, P, (int)M, y + n0, ldy, N - n0 < P ? N - n0 : P);
+    }
+    _tile_release();
+}
+
+/* Above 16 rows: xb holds x in zero-padded blocks of 32 rows, each k-step's two A tiles side
+ * by side ([blocks][K/32][32 rows][32]: one 2 KB stream per block, as the panel is one for B);
+ * each panel against a group of blocks that fits in L2 while the panel stays in L1/L2. */
+static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, long ldy, long M,
+                        long N, long K, long b, long e) {
+    long kp_n = K / 2, pstride = kp_n * 2 * P, blocks = (M + AMX_XB - 1) / AMX_XB;
+    long group = AMX_L2_X_BYTES / (AMX_XB * K * 2);
+    if (group < 1) group = 1;
+    float c[AMX_XB * P] __attribute__((aligned(64)));
+    amx_configure(AMX_M);
+    for (long g0 = 0; g0 < blocks; g0 += group) {
+        long g1 = g0 + group < blocks ? g0 + group : blocks;
+        for (long p = b; p < e; p++) {
+            const uint16_t *w = wp + p * pstride;
+            long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
+            for (long blk = g0; blk < g1; blk++) {
+                const uint16_t *xk = xb + blk * AMX_XB * K, *wk = w;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (long k = 0; k < K; k += AMX_K, xk += AMX_XB * AMX_K, wk += AMX_K * P) {
+                    _tile_loadd(6, wk, 2 * P * 2);
+                    _tile_loadd(7, wk + P, 2 * P * 2);
+                    _tile_loadd(4, xk, AMX_K * 2);
+                    _tile_loadd(5, xk + AMX_M * AMX_K, AMX_K * 2);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, c, P * 4);
+                _tile_stored(1, c + 16, P * 4);
+                _tile_stored(2, c + AMX_M * P, P * 4);
+                _tile_stored(3, c + AMX_M * P + 16, P * 4);
+                long m0 = blk * AMX_XB, rows = M - m0 < AMX_XB ? M - m0 : AMX_XB;
+                amx_store(c, P, (int)rows, y + m0 * ldy + n0, ldy, nvalid);
+            }
+        }
+    }
+    _tile_release();
+}
+
+static int amx_applies(long K, long ldx) { return g_amx && K % AMX_K == 0 && ldx >= K; }
+
+/* Bytes of x copy the AMX path needs for M rows of K (0 up to 16 rows: x read in place). */
+static long amx_copy_bytes(long M, long K) {
+    return M > AMX_M ? (M + AMX_XB - 1) / AMX_XB * AMX_XB * K * 2 : 0;
+}
+
+/* Inside a parallel region, every thread: y = x @ W^T on AMX tiles. xt: amx_copy_bytes. */
+static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
+                          long ldy, long M, long N, long K, uint32_t *xt) {
+    long panels = (N + P - 1) / P, b, e;
+    my_panels(panels, &b, &e);
+    if (M <= AMX_M) {
+        if (b < e) amx_small(x, ldx, wp, y, ldy, M, N, K, b, e);
+        return;
+    }
+    uint16_t *xb = (uint16_t *)xt;
+    long padded = (M + AMX_XB - 1) / AMX_XB * AMX_XB;
+#pragma omp for schedule(static)
+    for (long m = 0; m < padded; m++) {
+        uint16_t *dst = xb + (m / AMX_XB) * AMX_XB * K + (m % AMX_XB) * AMX_K;
+        for (long k = 0; k < K; k += AMX_K, dst += AMX_XB * AMX_K) {
+            if (m < M)
+                memcpy(dst, x + m * ldx + k, AMX_K * 2);
+            else
+                memset(dst, 0, AMX_K * 2);
+        }
+    }
+    /* (implicit barrier: x is copied before any panel runs) */
+    if (b < e) amx_blocked(xb, wp, y, ldy, M, N, K, b, e);
+}
+#else
+static int amx_applies(long K, long ldx) {
+    (void)K, (void)ldx;
+    return 0;
+}
+static long amx_copy_bytes(long M, long K) {
+    (void)M, (void)K;
+    return 0;
+}
+static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
+                          long ldy, long M, long N, long K, uint32_t *xt) {
+    (void)x, (void)ldx, (void)wp, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)xt;
+}
+#endif
+
+/* Bytes of scratch linear_in_region needs for M rows of K (x's pairs or its AMX copy). */
+static long linear_scratch_bytes(long M, long K, long ldx) {
+    if (amx_applies(K, ldx)) return amx_copy_bytes(M, K);
+    return M <= MB_MAX && K % 2 == 0 && ldx % 2 == 0 ? 0 : M * ((K + 1) / 2) * 4;
+}
+
 static void linear_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
                              long ldy, long M, long N, long K, uint32_t *xt) {
+    if (amx_applies(K, ldx)) {
+        amx_in_region(x, ldx, wp, y, ldy, M, N, K, xt);
+        return;
+    }
     long panels = (N + P - 1) / P, kp_n = (K + 1) / 2, b, e;
     long pstride = kp_n * 2 * P;
     if (M <= MB_MAX && K % 2 == 0 && ldx % 2 == 0) {
@@ -226,8 +404,8 @@ int tg_bf16_linear(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
     long panels = (N + P - 1) / P;
     if (nthreads > panels) nthreads = (int)panels;
     uint32_t *xt = NULL;
-    int direct = M <= MB_MAX && K % 2 == 0 && ldx % 2 == 0;
-    if (!direct && !(xt = malloc((size_t)M * (size_t)((K + 1) / 2) * 4))) return -2;
+    long scratch = linear_scratch_bytes(M, K, ldx);
+    if (scratch && !(xt = aligned_alloc(64, (size_t)(scratch + 63) / 64 * 64))) return -2;
 #pragma omp parallel num_threads(nthreads)
     linear_in_region(x, ldx, wp, y, ldy, M, N, K, xt);
     free(xt);
@@ -245,5 +423,21 @@ int tg_bf16_linear(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
 
 #endif
 
+/* Turn the AMX path on (1) or off (0): on asks Linux for the tile state (arch_prctl) once.
+ * Returns whether it is on: 0 where the build or the kernel has no AMX. */
+int tg_bf16_set_amx(int on) {
+#if TG_AMX
+    static int permitted = -1;
+    if (on && permitted < 0)
+        permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                            18 /* XFEATURE_XTILEDATA */) == 0;
+    g_amx = on && permitted > 0;
+    return g_amx;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* Lets the loader check that the library it opened is the one it built. */
-int tg_bf16_kernel_abi(void) { return 1; }
+int tg_bf16_kernel_abi(void) { return 2; }

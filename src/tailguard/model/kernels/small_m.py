@@ -61,6 +61,7 @@ class LinearKernel(Protocol):
 
     dtype: torch.dtype
     width: int  # output columns per panel
+    amx: bool  # runs on AMX tiles (bf16 on CPUs that have them)
 
     def pack(self, w: Tensor) -> PanelWeight: ...
 
@@ -71,6 +72,7 @@ class SmallMKernel:
     """y = x @ w^T for fp32 x [M, K] (any M) and w packed once by `pack` from [N, K]."""
 
     dtype = torch.float32
+    amx = False
 
     def __init__(self, lib: ctypes.CDLL, path: Path, max_m: int = MAX_M) -> None:
         self.path = path

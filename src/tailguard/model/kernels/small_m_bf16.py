@@ -29,7 +29,7 @@ from tailguard.model.kernels.small_m import PanelWeight
 __all__ = ["Bf16Kernel", "bf16_kernel_unavailable_reason", "load_bf16_kernel"]
 
 SOURCE = Path(__file__).with_name("gemv_bf16.c")
-ABI = 1  # tg_bf16_kernel_abi() of the source this module expects
+ABI = 2  # tg_bf16_kernel_abi() of the source this module expects
 
 
 class Bf16Kernel:
@@ -51,7 +51,17 @@ class Bf16Kernel:
         self._pack.argtypes = [c_void_p, c_void_p, c_long, c_long]
         self.width = int(lib.tg_bf16_panel_width())
         self.supported = bool(lib.tg_bf16_supported())
+        self._set_amx = lib.tg_bf16_set_amx
+        self._set_amx.restype = ctypes.c_int
+        self._set_amx.argtypes = [ctypes.c_int]
+        self.amx = bool(self._set_amx(1))  # AMX tiles where the build and the CPU have them
         self._lib = lib  # keeps the library loaded
+
+    def use_amx(self, on: bool) -> bool:
+        """Run on AMX tiles (on, where the CPU and the build have them) or on vdpbf16ps alone;
+        the same panels serve both. Returns whether AMX is now on."""
+        self.amx = bool(self._set_amx(int(on)))
+        return self.amx
 
     def pack(self, w: Tensor) -> PanelWeight:
         """[N, K] bf16 -> panels [ceil(N / 32), ceil(K / 2), 64] (pairs of k side by side per
@@ -89,8 +99,22 @@ def _check(kernel: Bf16Kernel) -> str | None:
     panels): None if right (within one bf16 rounding of the output), else why not."""
     if not kernel.supported:
         return "this CPU has no AVX512-BF16 (vdpbf16ps)"
+    amx = kernel.amx
+    try:
+        for on in (False, True) if amx else (False,):
+            kernel.use_amx(on)
+            if (why := _check_products(kernel)) is not None:
+                return f"{why} ({'AMX' if on else 'vdpbf16ps'})"
+    finally:
+        kernel.use_amx(amx)
+    return None
+
+
+def _check_products(kernel: Bf16Kernel) -> str | None:
     g = torch.Generator().manual_seed(0)
-    for m, n, k in ((1, 37, 46), (3, 50, 19), (8, 29, 68), (12, 64, 64), (13, 70, 33)):
+    shapes = ((1, 37, 46), (3, 50, 19), (8, 29, 68), (12, 64, 64), (13, 70, 33))
+    amx_shapes = ((5, 40, 64), (16, 33, 96), (17, 64, 64), (45, 70, 128))  # K % 32 == 0
+    for m, n, k in shapes + amx_shapes:
         x = torch.randn(m, k, generator=g).bfloat16()
         w = torch.randn(n, k, generator=g).bfloat16()
         for threads in (1, 2):
