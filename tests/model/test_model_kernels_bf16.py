@@ -346,10 +346,12 @@ def test_engine_greedy_tokens_identical_with_and_without_the_bf16_stack(
 
 
 def _prefill_or_fail(kernel: Bf16Kernel) -> PrefillAttention:
-    """Where the bf16 kernel exists, the prefill attention must too (its self-check passing)."""
+    """Where the bf16 kernel exists, the prefill attention must too (its self-check passing),
+    on the kernel's path (vdpbf16ps or AMX tiles)."""
     got = load_prefill_attention()
     if got is None:
         pytest.fail(f"prefill attention unavailable: {prefill_attention_unavailable_reason()}")
+    assert got.use_amx(kernel.amx) == kernel.amx
     return got
 
 
@@ -357,10 +359,11 @@ def _prefill_or_fail(kernel: Bf16Kernel) -> PrefillAttention:
     ("nh", "nkv", "hd", "window"), [(16, 4, 64, 0), (12, 4, 32, 9), (8, 8, 32, 0)]
 )
 def test_prefill_attention_matches_sdpa_in_fp32(
-    kernel: Bf16Kernel, nh: int, nkv: int, hd: int, window: int
+    kernel: Bf16Kernel, amx: bool, nh: int, nkv: int, hd: int, window: int
 ) -> None:
-    """Sequences of 1-70 rows (partial key panels and query blocks), a padding row, GQA 4, 3
-    and 1, a sliding window: within the error torch's own bf16 SDPA makes against fp32."""
+    """Sequences of 1-70 rows (partial key panels and query blocks of 12 or 16 rows, keys off
+    AMX's 32), a padding row, GQA 4, 3 and 1, a sliding window: within the error torch's own
+    bf16 SDPA makes against fp32."""
     attn = _prefill_or_fail(kernel)
     g = torch.Generator().manual_seed(nh + hd + window)
     lens = [1, 70, 33, 12, 64]
@@ -395,6 +398,9 @@ def test_prefill_attention_self_check_catches_a_wrong_kernel(kernel: Bf16Kernel)
     assert prefill_check(attn) is None
 
     class Shifted:  # the built kernel, one output row moved
+        def __getattr__(self, name: str) -> object:
+            return getattr(attn, name)
+
         def attend(self, qkv: torch.Tensor, *a: object) -> None:
             attn.attend(qkv, *a)  # type: ignore[arg-type]
             out = a[-2]
@@ -405,7 +411,7 @@ def test_prefill_attention_self_check_catches_a_wrong_kernel(kernel: Bf16Kernel)
 
 
 def test_model_prefill_on_the_kernel_is_as_close_to_fp32_as_sdpa(
-    kernel: Bf16Kernel, tmp_path: Path
+    kernel: Bf16Kernel, amx: bool, tmp_path: Path
 ) -> None:
     """head_dim 32 (RoPE on the row kernel, whole key panels): first chunks of three prompts
     on the kernel, then two decode steps; logits as close to the fp32 model's as the SDPA
@@ -438,18 +444,15 @@ def test_model_prefill_on_the_kernel_is_as_close_to_fp32_as_sdpa(
 
 
 def test_engine_binds_the_prefill_attention_with_the_bf16_kernel(
-    kernel: Bf16Kernel, monkeypatch: pytest.MonkeyPatch
+    kernel: Bf16Kernel, amx: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The embedded model (head_dim 32) in bf16 on the kernel's vdpbf16ps path: every layer's
-    first chunks on the attention kernel; not with the kernel on AMX tiles (torch's attention
-    is the faster one there), nor with oneDNN's matmuls."""
+    """The embedded model (head_dim 32) in bf16 on the kernel: every layer's first chunks on
+    the attention kernel, on the linears' path (vdpbf16ps or AMX tiles); not with oneDNN's
+    matmuls."""
     attn = _prefill_or_fail(kernel)
-    before = kernel.amx
-    kernel.use_amx(False)
-    try:
-        ours = _engine(monkeypatch, amx=False)
-    finally:
-        kernel.use_amx(before)
+    attn.use_amx(not amx)  # the engine sets it to the kernel's path
+    ours = _engine(monkeypatch, amx=False)
     assert all(ly.attn.prefill is attn for ly in ours.runner.model.layers)  # type: ignore[union-attr]
-    tiles = _engine(monkeypatch, amx=True)
-    assert all(ly.attn.prefill is None for ly in tiles.runner.model.layers)  # type: ignore[union-attr]
+    assert attn.amx == amx
+    off = _engine(monkeypatch, amx=False, small_m_kernel=False)
+    assert all(ly.attn.prefill is None for ly in off.runner.model.layers)  # type: ignore[union-attr]

@@ -108,9 +108,11 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.layout = self._allocate_kv()
         kernel = self.small_m_kernel
-        if kernel is not None and kernel.dtype == torch.bfloat16 and not kernel.amx:
-            # attn_bf16.c runs on vdpbf16ps: with AMX torch's attention is the faster one
-            self.model.use_prefill_attention(load_prefill_attention())
+        if kernel is not None and kernel.dtype == torch.bfloat16:
+            attention = load_prefill_attention()
+            if attention is not None:
+                attention.use_amx(kernel.amx)  # AMX tiles where the linears have them
+            self.model.use_prefill_attention(attention)
         if config.fused_decode and kernel is not None and self.row_kernel is not None:
             stack = load_decode_stack(kernel.dtype)
             if stack is not None:

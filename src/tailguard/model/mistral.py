@@ -27,6 +27,7 @@ from tailguard.model.kernels import DecodeStack, LinearKernel, RowKernel
 from tailguard.model.kernels.attn_bf16 import PrefillAttention
 from tailguard.model.kernels.decode import LayerRefs, StackDims
 from tailguard.model.kernels.rows import MAX_BF16_HEAD_DIM, MAX_REP
+from tailguard.model.linear import KernelLinear, PackedLinear, can_prepack
 
 __all__ = [
     "CAUSAL",
@@ -100,64 +101,6 @@ def attention_mask(
     visible |= pad & (k_pos == 0)
     mask = torch.zeros(visible.shape, dtype=dtype, device=device)
     return mask.masked_fill_(~visible, float("-inf"))[:, None]  # broadcast over heads
-
-
-def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """oneDNN-packed weights exist for CPU fp32/bf16 matmuls (not fp16, not CUDA); the bf16
-    reorder also needs a CPU with oneDNN's bf16 support (AVX-512 or AVX-NE-CONVERT: on an
-    AVX2-only CPU it raises), so bf16 weights stay plain there."""
-    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return dtype == torch.float32
-
-
-class PackedLinear(nn.Module):
-    """A bias-free linear whose weight is reordered once into oneDNN's blocked layout.
-
-    Why: `F.linear` hands oneDNN a plain [out, in] weight, which it reorders (re-reads and
-    re-writes) on every call. Measured on the 2-core avx512_bf16 CPU, [8, 1024] x [1024, 5632]:
-    1.23 -> 0.74 ms in bf16, 1.56 -> 0.81 ms in fp32; bf16 results are bit-identical, fp32
-    differs by ~1e-6 (another summation order). The packed tensor replaces the plain weight.
-    """
-
-    def __init__(self, weight: Tensor, batch_hint: int = 8) -> None:
-        super().__init__()
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
-        # the hint only tunes the layout; measured M-independent for bf16 (1..512 rows)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-
-
-class KernelLinear(nn.Module):
-    """A bias-free linear on one of our own kernels' weight layouts, run on the kernel for
-    every row count: kernels/gemv.c (fp32) or kernels/gemv_bf16.c (bf16, AVX512-BF16 without
-    AMX). One copy of the weight: the panels replace the plain [out, in] weight.
-
-    Why: at decode sizes oneDNN's small-M kernels stream the weights at 50-75% of the read
-    bandwidth; ours reach about all of it up to 8 rows and beat oneDNN up to 64
-    (docs/benchmarks.md, issue 12, sessions 21 and 30). Above that the work is compute-bound:
-    fp32, per matmul from 10% faster to 23% slower than oneDNN in two noisy micro runs, and the
-    246M model's 8 x 32-token prefill step the same (417-444 vs 378-427 ms); bf16 on Zen 4,
-    equal at 256 rows (~425 GFLOP/s each). A batched matmul over the fp32 panels, the first
-    dispatch above 64 rows, ran the embedded model's generation benchmark 10-13% slower.
-    """
-
-    def __init__(self, weight: Tensor, kernel: LinearKernel) -> None:
-        super().__init__()
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
-        self.kernel = kernel
-        self.weight = kernel.pack(weight)  # [N/P, K, P] panels
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        return self.kernel.linear(x, self.weight)  # a clear ValueError for what it cannot read
 
 
 class RMSNorm(nn.Module):

@@ -1,5 +1,5 @@
-/* Causal attention of prompts' first chunks, bf16, on the vdpbf16ps panels of gemv_bf16.c
- * (CPUs with AVX512-BF16 and no AMX).
+/* Causal attention of prompts' first chunks, bf16, on the panels of gemv_bf16.c: vdpbf16ps,
+ * or AMX tiles where gemv_bf16.c's AMX path is on (tg_bf16_set_amx).
  *
  * Why: torch's CPU flash attention ran a 2 x 512-token causal call of the 246M model at ~70
  * GFLOP/s on a 2-core Zen 4 (15.6 ms a layer in bf16, the same in fp32), ~20% of a 1,024-token
@@ -18,18 +18,28 @@
  *   O = P V in fp32, divided by the sum and rounded to bf16 once into out.
  * Two passes over keys that stay in L2 (a 512-token sequence's K and V: 64 KiB each per head)
  * instead of an online softmax: the same sums, less bookkeeping.
+ *
+ * On AMX the blocks are 16 query rows (one A tile), P is padded with zeros to whole tiles of
+ * 32 keys, and V^T's pairs to whole tiles of 16 (zeros): a 2-core Xeon runs vdpbf16ps at only
+ * ~100 GFLOP/s, so there the vdpbf16ps products took ~1.4 s of a 16 x 512-token prefill
+ * (docs/benchmarks.md, issue 12, session 31).
  */
 #include <string.h>
 
 #include "gemv_bf16.c"
 #include "rows.c"
 
-#define AR 12 /* query rows a block: MB_MAX of gemv_bf16.c */
+#define AR 12     /* query rows a block: MB_MAX of gemv_bf16.c */
+#define AR_AMX 16 /* on AMX: one A tile */
+#define AR_MAX 16
+#define VT_PAIRS 16 /* V^T's pairs of keys padded to a multiple of this (an AMX B tile) */
+
+static long vt_pairs(long n) { return ((n + 1) / 2 + VT_PAIRS - 1) / VT_PAIRS * VT_PAIRS; }
 
 /* V^T of keys [0, n) as a weight [hd, n]: vp[(d / P) * Kp * 2P + kp * 2P + (d % P) * 2 + h] =
- * v[(2 kp + h) * ld + d], Kp = ceil(n / 2), zero past n. hd % P == 0. */
+ * v[(2 kp + h) * ld + d], Kp = vt_pairs(n), zero past n. hd % P == 0. */
 static void pack_vt(const uint16_t *v, long ld, long n, long hd, uint16_t *vp) {
-    long kp_n = (n + 1) / 2;
+    long kp_n = vt_pairs(n);
     for (long p = 0; p < hd / P; p++) {
         uint16_t *dst = vp + p * kp_n * 2 * P;
         for (long kp = 0; kp < kp_n; kp++)
@@ -43,32 +53,58 @@ static void pack_vt(const uint16_t *v, long ld, long n, long hd, uint16_t *vp) {
 
 /* Elements of one (sequence, KV head)'s packed K and V^T for n keys. */
 static long packed_kv(long n, long hd) {
-    return (n + P - 1) / P * (hd / 2) * 2 * P + hd / P * ((n + 1) / 2) * 2 * P;
+    return (n + P - 1) / P * (hd / 2) * 2 * P + hd / P * vt_pairs(n) * 2 * P;
 }
 
 #if TG_BF16
 
-/* One block: query rows of positions [t0, t0 + npos) x rep heads of KV head g. */
+/* max of s[lo..hi] (a scalar loop was half of the whole kernel's time: one vmaxss chain). */
+static float span_max(const float *s, long lo, long hi) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    long j = lo;
+    for (; j + 16 <= hi + 1; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+    if (j <= hi) {
+        __mmask16 k = (__mmask16)((1u << (hi + 1 - j)) - 1);
+        m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, s + j));
+    }
+    return _mm512_reduce_max_ps(m);
+}
+
+/* c[ar][P] fp32 = a[ar][2 kp_n] x one panel: AR rows on vdpbf16ps, AR_AMX on tiles. */
+static void product(const uint16_t *a, long lda, const uint16_t *w, long kp_n, float *c,
+                    long ldc, int amx) {
+#if TG_AMX
+    if (amx) {
+        amx_panel16_out32(a, lda, w, kp_n, c, ldc);
+        return;
+    }
+#endif
+    panel_t(a, lda, w, kp_n, c, ldc, P, AR, 1, 1);
+}
+
+/* One block: query rows of positions [t0, t0 + npos) x rep heads of KV head g; ar rows a
+ * block (AR, or AR_AMX on tiles). */
 static void attend_block(const uint16_t *qkv, long ld, long first, long n, long t0, long npos,
                          long rep, long g, long hd, float scale, long window,
                          const uint16_t *kp, const uint16_t *vt, uint16_t *out, long out_ld,
-                         uint16_t *qb, float *s, uint16_t *pb, float *o) {
-    long kmax = t0 + npos, np = (kmax + P - 1) / P, spad = np * P, ppad = (kmax + 1) / 2 * 2;
-    memset(qb, 0, (size_t)AR * hd * sizeof(uint16_t));
+                         uint16_t *qb, float *s, uint16_t *pb, float *o, int amx) {
+    long kmax = t0 + npos, np = (kmax + P - 1) / P, spad = np * P;
+    long ppad = amx ? (kmax + 31) / 32 * 32 : (kmax + 1) / 2 * 2, ar = amx ? AR_AMX : AR;
+    memset(qb, 0, (size_t)ar * hd * sizeof(uint16_t));
     for (long i = 0; i < npos; i++)
         for (long h = 0; h < rep; h++)
             memcpy(qb + (i * rep + h) * hd, qkv + (first + t0 + i) * ld + (g * rep + h) * hd,
                    (size_t)hd * sizeof(uint16_t));
     long kstride = (hd / 2) * 2 * P;
     for (long p = 0; p < np; p++)
-        panel_t(qb, hd, kp + p * kstride, hd / 2, s + p * P, spad, P, AR, 1, 1);
-    float inv[AR];
+        product(qb, hd, kp + p * kstride, hd / 2, s + p * P, spad, amx);
+    float inv[AR_MAX];
     for (long r = 0; r < npos * rep; r++) {
         long tq = t0 + r / rep, lo = window > 0 && tq + 1 > window ? tq + 1 - window : 0;
-        float *sr = s + r * spad, m = -INFINITY;
+        float *sr = s + r * spad, m = span_max(sr, lo, tq);
         uint16_t *pr = pb + r * ppad;
-        for (long j = lo; j <= tq; j++) m = sr[j] > m ? sr[j] : m;
         float total = 0.0f;
+        vf totals = {};
         long j = 0;
         for (; j + VL <= ppad; j += VL) {
             vf e = vexp_neg((*(vfu *)(sr + j) - m) * scale);
@@ -77,9 +113,10 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long n, long 
             vi keep = (idx >= (vi){} + (int)lo) & (idx <= (vi){} + (int)tq);
             e = (vf)((vi)e & keep);
             vf eb = rne(e);
-            total += vsum(eb);
+            totals += eb;
             *(vhu *)(pr + j) = __builtin_convertvector((vu)eb >> 16, vh);
         }
+        total = vsum(totals);
         for (; j < ppad; j++) {
             float e = 0.0f;
             if (j >= lo && j <= tq) {
@@ -92,10 +129,10 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long n, long 
         }
         inv[r] = total > 0.0f ? 1.0f / total : 0.0f;
     }
-    for (long r = npos * rep; r < AR; r++) memset(pb + r * ppad, 0, (size_t)ppad * 2);
-    long vstride = ((n + 1) / 2) * 2 * P;
+    for (long r = npos * rep; r < ar; r++) memset(pb + r * ppad, 0, (size_t)ppad * 2);
+    long vstride = vt_pairs(n) * 2 * P;
     for (long p = 0; p < hd / P; p++)
-        panel_t(pb, ppad, vt + p * vstride, ppad / 2, o + p * P, hd, P, AR, 1, 1);
+        product(pb, ppad, vt + p * vstride, ppad / 2, o + p * P, hd, amx);
     for (long r = 0; r < npos * rep; r++) {
         uint16_t *dst = out + (first + t0 + r / rep) * out_ld + (g * rep + r % rep) * hd;
         for (long d = 0; d < hd; d += VL) store_bf16(dst + d, *(vfu *)(o + r * hd + d) * inv[r]);
@@ -119,7 +156,12 @@ int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *
     return -3;
 #else
     if (nh % nkv || hd % P || nh / nkv > AR || nseq < 0) return -1;
-    long rep = nh / nkv, npos = AR / rep, nq = nh * hd, maxn = 1, nblocks = 0;
+#if TG_AMX
+    const int amx = g_amx;
+#else
+    const int amx = 0;
+#endif
+    long rep = nh / nkv, npos = (amx ? AR_AMX : AR) / rep, nq = nh * hd, maxn = 1, nblocks = 0;
     long *off = malloc((size_t)(nseq + 1) * sizeof(long));   /* packed K/V offsets */
     long *boff = malloc((size_t)(nseq + 1) * sizeof(long));  /* first block of each */
     if (!off || !boff) {
@@ -134,8 +176,8 @@ int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *
         boff[s + 1] = boff[s] + (n + npos - 1) / npos;
     }
     nblocks = boff[nseq] * nkv;
-    long spad = (maxn + P - 1) / P * P, ppad = (maxn + 1) / 2 * 2;
-    long per_thread = AR * hd * 2 + AR * spad * 4 + AR * ppad * 2 + AR * hd * 4 + 4 * 64;
+    long spad = (maxn + P - 1) / P * P, ppad = (maxn + 31) / 32 * 32;
+    long per_thread = AR_MAX * (hd * 2 + spad * 4 + ppad * 2 + hd * 4) + 4 * 64;
     uint16_t *packs = malloc((size_t)(off[nseq] > 0 ? off[nseq] : 1) * sizeof(uint16_t));
     char *scratch = malloc((size_t)per_thread * (size_t)nthreads);
     int failed = !packs || !scratch;
@@ -149,9 +191,12 @@ int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *
             char *mine = scratch;
 #endif
             uint16_t *qb = (uint16_t *)mine;
-            float *sc = (float *)(mine + AR * hd * 2);
-            uint16_t *pb = (uint16_t *)((char *)sc + AR * spad * 4);
-            float *o = (float *)((char *)pb + AR * ppad * 2);
+            float *sc = (float *)(mine + AR_MAX * hd * 2);
+            uint16_t *pb = (uint16_t *)((char *)sc + AR_MAX * spad * 4);
+            float *o = (float *)((char *)pb + AR_MAX * ppad * 2);
+#if TG_AMX
+            if (amx) amx_configure(AMX_M);
+#endif
 #pragma omp for collapse(2) schedule(static)
             for (long s = 0; s < nseq; s++)
                 for (long g = 0; g < nkv; g++) {
@@ -173,8 +218,11 @@ int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *
                 const uint16_t *kp = packs + off[s] + g * packed_kv(n, hd);
                 attend_block(qkv, ld, firsts[s], n, t0, k, rep, g, hd, scale, window, kp,
                              kp + (n + P - 1) / P * (hd / 2) * 2 * P, out, out_ld, qb, sc, pb,
-                             o);
+                             o, amx);
             }
+#if TG_AMX
+            if (amx) _tile_release();
+#endif
         }
     }
     free(packs), free(scratch), free(off), free(boff);
@@ -182,4 +230,4 @@ int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *
 #endif
 }
 
-int tg_attn_bf16_abi(void) { return 1; }
+int tg_attn_bf16_abi(void) { return 2; }

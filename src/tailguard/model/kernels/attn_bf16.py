@@ -1,6 +1,7 @@
-"""Causal attention of prompts' first chunks in bf16 (attn_bf16.c), for CPUs with AVX512-BF16
-and no AMX, where torch's CPU flash attention runs at ~70 GFLOP/s against ~425 for the
-cores' bf16 products (docs/benchmarks.md, issue 12, session 30).
+"""Causal attention of prompts' first chunks in bf16 (attn_bf16.c), on vdpbf16ps (CPUs with
+AVX512-BF16: on a 2-core Zen 4 torch's CPU flash attention ran ~70 GFLOP/s against ~425 for
+the cores' bf16 products; docs/benchmarks.md, issue 12, session 30) or on AMX tiles where the
+CPU has them (`use_amx`, as the bf16 linear kernel; session 31).
 
     kernel = load_prefill_attention()   # None, with one logged line saying why, if unavailable
     kernel.attend(qkv, firsts, lens, nh, nkv, hd, window, out, threads)
@@ -24,7 +25,7 @@ from tailguard.model.kernels.build import Loader
 __all__ = ["PrefillAttention", "load_prefill_attention", "prefill_attention_unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("attn_bf16.c")
-ABI = 1
+ABI = 2
 HD_MULTIPLE = 32  # head_dim must be whole panels of 32 (attn_bf16.c)
 MAX_REP = 12  # query heads per KV head (one block of 12 query rows holds them)
 
@@ -41,7 +42,17 @@ class PrefillAttention:
             ctypes.c_float, c_long, c_void_p, c_long, ctypes.c_int,
         ]  # fmt: skip
         self._fn = fn
+        self._set_amx = lib.tg_bf16_set_amx
+        self._set_amx.restype = ctypes.c_int
+        self._set_amx.argtypes = [ctypes.c_int]
+        self.amx = bool(self._set_amx(1))  # AMX tiles where the build and the CPU have them
         self._lib = lib
+
+    def use_amx(self, on: bool) -> bool:
+        """Blocks of 16 query rows on AMX tiles (on) or of 12 on vdpbf16ps; returns whether
+        AMX is now on."""
+        self.amx = bool(self._set_amx(int(on)))
+        return self.amx
 
     @staticmethod
     def applies(nh: int, nkv: int, hd: int) -> bool:
@@ -107,7 +118,20 @@ def reference(
 
 def _check(kernel: PrefillAttention) -> str | None:
     """Two sequences (one of 45 rows: blocks and key panels partial) and a padding row, GQA
-    of 4 and of 3 heads, with and without a window, against `reference`."""
+    of 4 and of 3 heads, with and without a window, against `reference`; on both paths where
+    the CPU has AMX."""
+    amx = kernel.amx
+    try:
+        for on in (False, True) if amx else (False,):
+            kernel.use_amx(on)
+            if (why := _check_path(kernel)) is not None:
+                return f"{why} ({'AMX' if on else 'vdpbf16ps'})"
+    finally:
+        kernel.use_amx(amx)
+    return None
+
+
+def _check_path(kernel: PrefillAttention) -> str | None:
     g = torch.Generator().manual_seed(0)
     for nh, nkv, hd, window in ((8, 2, 32, 0), (6, 2, 64, 7)):
         firsts, lens = [0, 45, 80], [45, 30, 1]  # the last: a padding row (first >= T)

@@ -205,6 +205,9 @@ static int g_amx = 0; /* tg_bf16_set_amx */
 #define AMX_K 32    /* k per tile step: 16 pairs */
 #define AMX_M 16    /* rows per A / C tile */
 #define AMX_XB 32   /* rows per x block above AMX_M rows: a 2 x 2 grid of C tiles */
+#ifndef AMX_KC
+#define AMX_KC 256 /* k per chunk of a panel kept in L1 (16 KiB) across a group of blocks */
+#endif
 #ifndef AMX_L2_X_BYTES
 #define AMX_L2_X_BYTES (1024 * 1024)
 #endif
@@ -269,39 +272,85 @@ static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, lon
     long kp_n = K / 2, pstride = kp_n * 2 * P, blocks = (M + AMX_XB - 1) / AMX_XB;
     long group = AMX_L2_X_BYTES / (AMX_XB * K * 2);
     if (group < 1) group = 1;
+    if (group > blocks) group = blocks;
     float c[AMX_XB * P] __attribute__((aligned(64)));
+    /* k in chunks of AMX_KC: a chunk of the panel stays in L1 for every block of the group,
+     * the blocks' sums wait in acc between chunks */
+    long kc = K < AMX_KC ? K : AMX_KC;
+    float *acc = kc < K ? aligned_alloc(64, (size_t)group * AMX_XB * P * 4) : NULL;
+    if (!acc) kc = K;
     amx_configure(AMX_M);
     for (long g0 = 0; g0 < blocks; g0 += group) {
         long g1 = g0 + group < blocks ? g0 + group : blocks;
         for (long p = b; p < e; p++) {
             const uint16_t *w = wp + p * pstride;
             long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
-            for (long blk = g0; blk < g1; blk++) {
-                const uint16_t *xk = xb + blk * AMX_XB * K, *wk = w;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (long k = 0; k < K; k += AMX_K, xk += AMX_XB * AMX_K, wk += AMX_K * P) {
-                    _tile_loadd(6, wk, 2 * P * 2);
-                    _tile_loadd(7, wk + P, 2 * P * 2);
-                    _tile_loadd(4, xk, AMX_K * 2);
-                    _tile_loadd(5, xk + AMX_M * AMX_K, AMX_K * 2);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
+            /* the next panel into L2 while this one computes, spread over its k-steps: a
+             * panel's first pass would otherwise wait on memory at every line */
+            const char *pf = (const char *)(w + pstride);
+            const char *pf_end = pf + (p + 1 < e ? pstride * 2 : 0);
+            long steps = (g1 - g0) * (K / AMX_K), per = (pstride * 2 / 64 + steps - 1) / steps;
+            for (long k0 = 0; k0 < K; k0 += kc) {
+                long k1 = k0 + kc < K ? k0 + kc : K;
+                for (long blk = g0; blk < g1; blk++) {
+                    const uint16_t *xk = xb + blk * AMX_XB * K + k0 * AMX_XB;
+                    const uint16_t *wk = w + k0 * P;
+                    float *a = acc ? acc + (blk - g0) * AMX_XB * P : c;
+                    if (k0 == 0) {
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                    } else {
+                        _tile_loadd(0, a, P * 4);
+                        _tile_loadd(1, a + 16, P * 4);
+                        _tile_loadd(2, a + AMX_M * P, P * 4);
+                        _tile_loadd(3, a + AMX_M * P + 16, P * 4);
+                    }
+                    for (long k = k0; k < k1; k += AMX_K, xk += AMX_XB * AMX_K, wk += AMX_K * P) {
+                        for (long i = 0; i < per && pf < pf_end; i++, pf += 64)
+                            __builtin_prefetch(pf, 0, 2);
+                        _tile_loadd(6, wk, 2 * P * 2);
+                        _tile_loadd(7, wk + P, 2 * P * 2);
+                        _tile_loadd(4, xk, AMX_K * 2);
+                        _tile_loadd(5, xk + AMX_M * AMX_K, AMX_K * 2);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                    float *dst = k1 == K ? c : a;
+                    _tile_stored(0, dst, P * 4);
+                    _tile_stored(1, dst + 16, P * 4);
+                    _tile_stored(2, dst + AMX_M * P, P * 4);
+                    _tile_stored(3, dst + AMX_M * P + 16, P * 4);
+                    if (k1 == K) {
+                        long m0 = blk * AMX_XB, rows = M - m0 < AMX_XB ? M - m0 : AMX_XB;
+                        amx_store(c, P, (int)rows, y + m0 * ldy + n0, ldy, nvalid);
+                    }
                 }
-                _tile_stored(0, c, P * 4);
-                _tile_stored(1, c + 16, P * 4);
-                _tile_stored(2, c + AMX_M * P, P * 4);
-                _tile_stored(3, c + AMX_M * P + 16, P * 4);
-                long m0 = blk * AMX_XB, rows = M - m0 < AMX_XB ? M - m0 : AMX_XB;
-                amx_store(c, P, (int)rows, y + m0 * ldy + n0, ldy, nvalid);
             }
         }
     }
     _tile_release();
+    free(acc);
+}
+
+/* c[16][P] (ldc floats) = a[16][K] (lda apart) x one panel of kp_n = K / 2 pairs, fp32; K a
+ * multiple of 32. Tiles configured by amx_configure(16) (attn_bf16.c's products). */
+static void amx_panel16_out32(const uint16_t *a, long lda, const uint16_t *w, long kp_n,
+                              float *c, long ldc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (long kp = 0; kp < kp_n; kp += AMX_K / 2, w += AMX_K * P, a += AMX_K) {
+        _tile_loadd(4, a, lda * 2);
+        _tile_loadd(6, w, 2 * P * 2);
+        _tile_loadd(7, w + P, 2 * P * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, c, ldc * 4);
+    _tile_stored(1, c + 16, ldc * 4);
 }
 
 static int amx_applies(long K, long ldx) { return g_amx && K % AMX_K == 0 && ldx >= K; }
