@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tests.model.model_testkit import TINY, PagedCache, make_checkpoint
 
 from tailguard.core.request import EngineRequest, SamplingParams
@@ -456,3 +457,30 @@ def test_engine_binds_the_prefill_attention_with_the_bf16_kernel(
     assert attn.amx == amx
     off = _engine(monkeypatch, amx=False, small_m_kernel=False)
     assert all(ly.attn.prefill is None for ly in off.runner.model.layers)  # type: ignore[union-attr]
+
+
+def test_kernels_interleave_with_torchs_own_bf16_ops(kernel: Bf16Kernel, amx: bool) -> None:
+    """Our tile kernels configure and release AMX's tile state in torch's own OpenMP threads,
+    between torch's (oneDNN's) bf16 matmuls and SDPA, which may keep tiles configured across
+    calls: each of torch's results stays bit for bit what it was before any call of ours."""
+    attn = _prefill_or_fail(kernel)
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 16, 300, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 4, 300, 64, generator=g).bfloat16() for _ in range(2))
+    x, w = (
+        torch.randn(40, 512, generator=g).bfloat16(),
+        torch.randn(700, 512, generator=g).bfloat16(),
+    )
+    want_sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    want_mm = x @ w.t()
+    wp = kernel.pack(torch.randn(96, 256, generator=g).bfloat16())
+    qkv = torch.randn(45, 8 * 32, generator=g).bfloat16()  # 4 query, 2 KV heads of 32
+    out = torch.zeros(46, 4 * 32, dtype=torch.bfloat16)
+    for rows in (8, 40, 3, 33):
+        kernel.linear(torch.randn(rows, 256, generator=g).bfloat16(), wp)
+        assert torch.equal(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), want_sdpa
+        )
+        attn.attend(qkv, torch.tensor([0]), torch.tensor([45]), 4, 2, 32, 0, out, 2)
+        assert torch.equal(x @ w.t(), want_mm)

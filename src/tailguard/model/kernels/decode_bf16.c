@@ -1,4 +1,5 @@
-/* The decoder stack of a decode step in one call, bf16 (CPUs with AVX512-BF16 and no AMX):
+/* The decoder stack of a decode step in one call, bf16 (CPUs with AVX512-BF16; its linears on
+ * AMX tiles where gemv_bf16.c's AMX path is on):
  * decode.c's phases on bf16 activations, weights and KV cache, each rounding where the
  * op-by-op bf16 path rounds, so both give the same bits (tested).
  *

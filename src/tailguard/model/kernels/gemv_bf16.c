@@ -1,5 +1,6 @@
-/* Small-M bf16 linear: y[M, N] = x[M, K] @ W[N, K]^T, bf16 in and out, fp32 sums, for CPUs
- * with AVX512-BF16 (vdpbf16ps) and no AMX tiles (AMD Zen 4, Intel Cooper Lake).
+/* The bf16 linear: y[M, N] = x[M, K] @ W[N, K]^T, bf16 in and out, fp32 sums, for CPUs with
+ * AVX512-BF16 (vdpbf16ps: AMD Zen 4, Intel Cooper Lake), on AMX tiles where the CPU has them
+ * (Intel Sapphire Rapids and later; see "AMX" below).
  *
  * Why our own: at decode sizes the product is a few multiply-adds per weight, so the job is
  * to read every weight once at the memory's rate. oneDNN's bf16 kernel on a 2-core Zen 4
@@ -218,14 +219,15 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-/* Tiles: 0-3 C (row block r, column half c at 2r + c), 4-5 A (row blocks), 6-7 B (halves). */
+/* Tiles: 0-3 C (row block r, column half c at 2r + c; up to 16 rows: two panels x two
+ * halves), 4-5 A (row blocks; up to 16 rows 5 is a third B), 6-7 B (halves). */
 static void amx_configure(int rows) {
     struct tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
         cfg.colsb[t] = 64;
-        cfg.rows[t] = t >= 6 ? 16 : (uint8_t)rows;
+        cfg.rows[t] = t >= 5 ? 16 : (uint8_t)rows;
     }
     _tile_loadconfig(&cfg);
 }
@@ -238,13 +240,41 @@ static void amx_store(const float *c, long ldc, int rows, uint16_t *y, long ldy,
     }
 }
 
-/* Up to 16 rows: each of this thread's panels against x read in place (ldx apart). */
+/* Up to 16 rows: each of this thread's panels against x read in place (ldx apart), two
+ * panels at a time where it can (two weight streams in flight, four C tiles). */
 static void amx_small(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
                       long M, long N, long K, long b, long e) {
     long kp_n = K / 2, pstride = kp_n * 2 * P;
     float c[AMX_M * P] __attribute__((aligned(64)));
     amx_configure((int)M);
-    for (long p = b; p < e; p++) {
+    long p = b;
+    for (; p + 1 < e; p += 2) {
+        const uint16_t *w = wp + p * pstride, *v = w + pstride;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (long k = 0; k < K; k += AMX_K, w += AMX_K * P, v += AMX_K * P) {
+            _tile_loadd(4, x + k, ldx * 2);
+            _tile_loadd(5, w, 2 * P * 2);
+            _tile_loadd(6, w + P, 2 * P * 2);
+            _tile_loadd(7, v, 2 * P * 2);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, v + P, 2 * P * 2);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, c, P * 4);
+        _tile_stored(1, c + 16, P * 4);
+        long n0 = p * P;
+        amx_store(c, P, (int)M, y + n0, ldy, N - n0 < P ? N - n0 : P);
+        _tile_stored(2, c, P * 4);
+        _tile_stored(3, c + 16, P * 4);
+        long n1 = (p + 1) * P;
+        amx_store(c, P, (int)M, y + n1, ldy, N - n1 < P ? N - n1 : P);
+    }
+    for (; p < e; p++) {
         const uint16_t *w = wp + p * pstride;
         _tile_zero(0);
         _tile_zero(1);

@@ -1,4 +1,5 @@
-"""The bf16 linear of our own (gemv_bf16.c), for CPUs with AVX512-BF16 and no AMX tiles.
+"""The bf16 linear of our own (gemv_bf16.c), for CPUs with AVX512-BF16, on AMX tiles where the
+CPU has them (`use_amx`; the same panels serve both paths).
 
     kernel = load_bf16_kernel()      # None, with one logged line saying why, if unavailable
     wp = kernel.pack(w)              # w [N, K] bf16 -> panels, once
@@ -12,7 +13,9 @@ Measured on a 2-core AMD EPYC (Zen 4, avx512_bf16, no AMX; docs/benchmarks.md, i
 session 30), the model M's shapes over distinct weights: 1.1-2.0x oneDNN's speed at 1-8 rows
 (27-51 GB/s of weights against 18-27), 1.1-1.2x at 32, 1.04-1.15x at 64, equal at 256 rows
 (~425 GFLOP/s each, the `vdpbf16ps` peak of the two cores): so one copy of each weight, in
-this layout, serves every step.
+this layout, serves every step. On a 2-core Xeon with AMX (session 31) the tile path runs
+1.7-1.8x oneDNN's AMX at 1-16 rows, 1.4x at 64 and 0.9-1.1x at 256-1,024 (vdpbf16ps alone
+there: ~90-150 GFLOP/s, 5-10x slower than AMX above 32 rows).
 """
 
 from __future__ import annotations
