@@ -27,9 +27,9 @@
  * AMX (Sapphire Rapids and later; tg_bf16_set_amx(1)): the same panels are AMX's B operand as
  * they are: 16 k-pair rows of 16 columns x 2 bf16 is one 64-byte tile row, and the panel's
  * 128-byte k-pair stride is the tile's load stride, so one copy of each weight serves both
- * paths. Up to 16 rows one A tile (M rows of x, read in place) meets two panels' B tiles at
- * a time; above, x is read in place in blocks of 32 rows (a partial last block copied and
- * zero-padded) and each panel is a 2 x 2 grid of C tiles per block. On a 2-core Xeon with AMX our vdpbf16ps path runs ~90-150 GFLOP/s, so an 8-row decode
+ * paths. Up to 16 rows one A tile (M rows of x, read in place) meets two panels' B tiles at a
+ * time; above, x is copied into zero-padded blocks of 32 rows and each panel is a 2 x 2 grid of C
+ * tiles. On a 2-core Xeon with AMX our vdpbf16ps path runs ~90-150 GFLOP/s, so an 8-row decode
  * is compute-bound on it, and oneDNN's AMX kernels stream small-M weights at 6-15 GB/s
  * (docs/benchmarks.md, issue 12, session 31). Needs K % 32 == 0 (else the vdpbf16ps path).
  */
@@ -294,11 +294,11 @@ static void amx_small(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t 
     _tile_release();
 }
 
-/* Above 16 rows: blocks of 32 rows of x read in place (ldx apart), the last partial block
- * from tail (its rows copied, zero-padded to 32, K apart); each panel against a group of
- * blocks that fits in L2 while the panel stays in L1/L2. */
-static void amx_blocked(const uint16_t *x, long ldx, const uint16_t *tail, const uint16_t *wp,
-                        uint16_t *y, long ldy, long M, long N, long K, long b, long e) {
+/* Above 16 rows: xb holds x in zero-padded blocks of 32 rows, each k-step's two A tiles side
+ * by side ([blocks][K/32][32 rows][32]: one 2 KB stream per block, as the panel is one for B);
+ * each panel against a group of blocks that fits in L2 while the panel stays in L1/L2. */
+static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, long ldy, long M,
+                        long N, long K, long b, long e) {
     long kp_n = K / 2, pstride = kp_n * 2 * P, blocks = (M + AMX_XB - 1) / AMX_XB;
     long group = AMX_L2_X_BYTES / (AMX_XB * K * 2);
     if (group < 1) group = 1;
@@ -323,9 +323,7 @@ static void amx_blocked(const uint16_t *x, long ldx, const uint16_t *tail, const
             for (long k0 = 0; k0 < K; k0 += kc) {
                 long k1 = k0 + kc < K ? k0 + kc : K;
                 for (long blk = g0; blk < g1; blk++) {
-                    int whole = (blk + 1) * AMX_XB <= M;
-                    long lda = whole ? ldx : K;
-                    const uint16_t *xk = (whole ? x + blk * AMX_XB * ldx : tail) + k0;
+                    const uint16_t *xk = xb + blk * AMX_XB * K + k0 * AMX_XB;
                     const uint16_t *wk = w + k0 * P;
                     float *a = acc ? acc + (blk - g0) * AMX_XB * P : c;
                     if (k0 == 0) {
@@ -339,13 +337,13 @@ static void amx_blocked(const uint16_t *x, long ldx, const uint16_t *tail, const
                         _tile_loadd(2, a + AMX_M * P, P * 4);
                         _tile_loadd(3, a + AMX_M * P + 16, P * 4);
                     }
-                    for (long k = k0; k < k1; k += AMX_K, xk += AMX_K, wk += AMX_K * P) {
+                    for (long k = k0; k < k1; k += AMX_K, xk += AMX_XB * AMX_K, wk += AMX_K * P) {
                         for (long i = 0; i < per && pf < pf_end; i++, pf += 64)
                             __builtin_prefetch(pf, 0, 2);
                         _tile_loadd(6, wk, 2 * P * 2);
                         _tile_loadd(7, wk + P, 2 * P * 2);
-                        _tile_loadd(4, xk, lda * 2);
-                        _tile_loadd(5, xk + AMX_M * lda, lda * 2);
+                        _tile_loadd(4, xk, AMX_K * 2);
+                        _tile_loadd(5, xk + AMX_M * AMX_K, AMX_K * 2);
                         _tile_dpbf16ps(0, 4, 6);
                         _tile_dpbf16ps(1, 4, 7);
                         _tile_dpbf16ps(2, 5, 6);
@@ -387,10 +385,9 @@ static void amx_panel16_out32(const uint16_t *a, long lda, const uint16_t *w, lo
 
 static int amx_applies(long K, long ldx) { return g_amx && K % AMX_K == 0 && ldx >= K; }
 
-/* Bytes of x copy the AMX path needs for M rows of K: a partial last block of 32 rows above
- * 16 rows (x itself is read in place). */
+/* Bytes of x copy the AMX path needs for M rows of K (0 up to 16 rows: x read in place). */
 static long amx_copy_bytes(long M, long K) {
-    return M > AMX_M && M % AMX_XB ? AMX_XB * K * 2 : 0;
+    return M > AMX_M ? (M + AMX_XB - 1) / AMX_XB * AMX_XB * K * 2 : 0;
 }
 
 /* Inside a parallel region, every thread: y = x @ W^T on AMX tiles. xt: amx_copy_bytes. */
@@ -402,19 +399,20 @@ static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint1
         if (b < e) amx_small(x, ldx, wp, y, ldy, M, N, K, b, e);
         return;
     }
-    uint16_t *tail = (uint16_t *)xt;
-    long m0 = M / AMX_XB * AMX_XB;
-    if (m0 < M) {
+    uint16_t *xb = (uint16_t *)xt;
+    long padded = (M + AMX_XB - 1) / AMX_XB * AMX_XB;
 #pragma omp for schedule(static)
-        for (long m = m0; m < m0 + AMX_XB; m++) {
+    for (long m = 0; m < padded; m++) {
+        uint16_t *dst = xb + (m / AMX_XB) * AMX_XB * K + (m % AMX_XB) * AMX_K;
+        for (long k = 0; k < K; k += AMX_K, dst += AMX_XB * AMX_K) {
             if (m < M)
-                memcpy(tail + (m - m0) * K, x + m * ldx, (size_t)K * 2);
+                memcpy(dst, x + m * ldx + k, AMX_K * 2);
             else
-                memset(tail + (m - m0) * K, 0, (size_t)K * 2);
+                memset(dst, 0, AMX_K * 2);
         }
-        /* (implicit barrier: the tail is copied before any panel runs) */
     }
-    if (b < e) amx_blocked(x, ldx, tail, wp, y, ldy, M, N, K, b, e);
+    /* (implicit barrier: x is copied before any panel runs) */
+    if (b < e) amx_blocked(xb, wp, y, ldy, M, N, K, b, e);
 }
 #else
 static int amx_applies(long K, long ldx) {
