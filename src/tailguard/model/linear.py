@@ -55,7 +55,7 @@ class KernelLinear(nn.Module):
     fp32, per matmul from 10% faster to 23% slower than oneDNN in two noisy micro runs, and the
     246M model's 8 x 32-token prefill step the same (417-444 vs 378-427 ms); bf16 on Zen 4,
     equal at 256 rows (~425 GFLOP/s each); bf16 on a Xeon's AMX tiles, 0.9-1.1x oneDNN's AMX
-    at 256-1024 rows (1.3-1.6 TFLOP/s each). A batched matmul over the fp32 panels, the first
+    at 256-1024 rows (1.3-1.9 TFLOP/s). A batched matmul over the fp32 panels, the first
     dispatch above 64 rows, ran the embedded model's generation benchmark 10-13% slower.
     """
 

@@ -21,8 +21,8 @@
  *
  * On AMX the blocks are 16 query rows (one A tile), P is padded with zeros to whole tiles of
  * 32 keys, and V^T's pairs to whole tiles of 16 (zeros): a 2-core Xeon runs vdpbf16ps at only
- * ~100 GFLOP/s, so there the vdpbf16ps products took ~1.4 s of a 16 x 512-token prefill
- * (docs/benchmarks.md, issue 12, session 31).
+ * ~90-150 GFLOP/s; there a layer of 2 x 512 tokens took 8.4 ms on vdpbf16ps and 3.4 ms on
+ * tiles (torch's SDPA 56 ms; docs/benchmarks.md, issue 12, session 31).
  */
 #include <string.h>
 
@@ -75,7 +75,7 @@ static void product(const uint16_t *a, long lda, const uint16_t *w, long kp_n, f
                     long ldc, int amx) {
 #if TG_AMX
     if (amx) {
-        amx_panel16_out32(a, lda, w, kp_n, c, ldc);
+        amx_panel_out32(a, lda, w, kp_n, c, ldc);
         return;
     }
 #endif

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tailguard.model.kernels.build import Loader
+from tailguard.model.kernels.small_m_bf16 import AmxPath, check_each_path
 
 __all__ = ["PrefillAttention", "load_prefill_attention", "prefill_attention_unavailable_reason"]
 
@@ -30,7 +31,9 @@ HD_MULTIPLE = 32  # head_dim must be whole panels of 32 (attn_bf16.c)
 MAX_REP = 12  # query heads per KV head (one block of 12 query rows holds them)
 
 
-class PrefillAttention:
+class PrefillAttention(AmxPath):
+    """Blocks of 12 query rows on vdpbf16ps, or of 16 on AMX tiles (`use_amx`)."""
+
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
         c_long, c_void_p = ctypes.c_long, ctypes.c_void_p
@@ -42,17 +45,8 @@ class PrefillAttention:
             ctypes.c_float, c_long, c_void_p, c_long, ctypes.c_int,
         ]  # fmt: skip
         self._fn = fn
-        self._set_amx = lib.tg_bf16_set_amx
-        self._set_amx.restype = ctypes.c_int
-        self._set_amx.argtypes = [ctypes.c_int]
-        self.amx = bool(self._set_amx(1))  # AMX tiles where the build and the CPU have them
+        self._bind_amx(lib)
         self._lib = lib
-
-    def use_amx(self, on: bool) -> bool:
-        """Blocks of 16 query rows on AMX tiles (on) or of 12 on vdpbf16ps; returns whether
-        AMX is now on."""
-        self.amx = bool(self._set_amx(int(on)))
-        return self.amx
 
     @staticmethod
     def applies(nh: int, nkv: int, hd: int) -> bool:
@@ -120,15 +114,7 @@ def _check(kernel: PrefillAttention) -> str | None:
     """Two sequences (one of 45 rows: blocks and key panels partial) and a padding row, GQA
     of 4 and of 3 heads, with and without a window, against `reference`; on both paths where
     the CPU has AMX."""
-    amx = kernel.amx
-    try:
-        for on in (False, True) if amx else (False,):
-            kernel.use_amx(on)
-            if (why := _check_path(kernel)) is not None:
-                return f"{why} ({'AMX' if on else 'vdpbf16ps'})"
-    finally:
-        kernel.use_amx(amx)
-    return None
+    return check_each_path(kernel, lambda: _check_path(kernel))
 
 
 def _check_path(kernel: PrefillAttention) -> str | None:

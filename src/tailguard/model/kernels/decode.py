@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tailguard.model.kernels.build import Loader
+from tailguard.model.kernels.small_m_bf16 import AmxPath
 
 __all__ = [
     "DecodeStack",
@@ -75,6 +76,7 @@ class DecodeStack:
     """decode.c: fp32 activations, tg_pack panels (gemv.c)."""
 
     dtype = torch.float32
+    amx = False  # fp32: no tiles
     _symbols = ("tg_decode_stack", "tg_decode_scratch", "tg_pack", "tg_panel_width")
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
@@ -97,7 +99,6 @@ class DecodeStack:
         self._pack.argtypes = [c_void_p, c_void_p, c_long, c_long]
         self.width = int(width())
         self.lanes = int(lib.tg_rows_lanes())
-        self.amx = False
         self._lib = lib
 
     def use_amx(self, on: bool) -> bool:
@@ -154,7 +155,7 @@ class DecodeStack:
             raise ValueError(f"decode stack refused its arguments ({rc}): T={t}, {dims.H=}")
 
 
-class Bf16DecodeStack(DecodeStack):
+class Bf16DecodeStack(AmxPath, DecodeStack):
     """decode_bf16.c: bf16 activations, weights and caches, tg_bf16_pack panels."""
 
     dtype = torch.bfloat16
@@ -167,14 +168,7 @@ class Bf16DecodeStack(DecodeStack):
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         super().__init__(lib, path)
-        self._set_amx = lib.tg_bf16_set_amx
-        self._set_amx.restype = ctypes.c_int
-        self._set_amx.argtypes = [ctypes.c_int]
-        self.amx = bool(self._set_amx(1))
-
-    def use_amx(self, on: bool) -> bool:
-        self.amx = bool(self._set_amx(int(on)))
-        return self.amx
+        self._bind_amx(lib)  # the linears on the bf16 kernel's path give its bits
 
     def pack(self, w: Tensor) -> Tensor:
         """[N, K] bf16 -> tg_bf16_pack panels [ceil(N / width), ceil(K / 2), 2 width] (as the

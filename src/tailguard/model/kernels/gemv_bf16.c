@@ -53,6 +53,9 @@
 #endif
 
 #define P 32           /* output columns per panel: two vectors of 16 fp32 lanes */
+#define AMX_K 32       /* AMX: k per tile step (16 pairs) */
+#define AMX_M 16       /* AMX: rows per A / C tile */
+#define AMX_XB 32      /* AMX: rows per x block above AMX_M rows (a 2 x 2 grid of C tiles) */
 #define MB_MAX 12      /* 24 accumulators + 2 weights + a broadcast within 32 registers */
 #define L2_X_BYTES (512 * 1024)
 #ifndef PF_PAIRS
@@ -60,6 +63,12 @@
 #endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* Bytes of x copy the AMX path needs for M rows of K (0 up to 16 rows: x read in place; 0 in a
+ * build without AMX). */
+static long amx_copy_bytes(long M, long K) {
+    return TG_AMX && M > AMX_M ? (M + AMX_XB - 1) / AMX_XB * AMX_XB * K * 2 : 0;
+}
 
 int tg_bf16_panel_width(void) { return P; }
 int tg_bf16_supported(void) { return TG_BF16; }
@@ -203,9 +212,6 @@ static void my_panels(long panels, long *b, long *e) {
 #if TG_AMX
 static int g_amx = 0; /* tg_bf16_set_amx */
 
-#define AMX_K 32    /* k per tile step: 16 pairs */
-#define AMX_M 16    /* rows per A / C tile */
-#define AMX_XB 32   /* rows per x block above AMX_M rows: a 2 x 2 grid of C tiles */
 #ifndef AMX_KC
 #define AMX_KC 256 /* k per chunk of a panel kept in L1 (16 KiB) across a group of blocks */
 #endif
@@ -238,6 +244,23 @@ static void amx_store(const float *c, long ldc, int rows, uint16_t *y, long ldy,
         store16(y + m * ldy, _mm512_loadu_ps(c + m * ldc), nvalid);
         store16(y + m * ldy + 16, _mm512_loadu_ps(c + m * ldc + 16), nvalid - 16);
     }
+}
+
+/* c[rows][P] (ldc floats) = a[rows][K] (lda apart) x one panel of kp_n = K / 2 pairs, fp32;
+ * K a multiple of 32, rows as amx_configure set them (amx_small's odd panel, attn_bf16.c). */
+static void amx_panel_out32(const uint16_t *a, long lda, const uint16_t *w, long kp_n,
+                              float *c, long ldc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (long kp = 0; kp < kp_n; kp += AMX_K / 2, w += AMX_K * P, a += AMX_K) {
+        _tile_loadd(4, a, lda * 2);
+        _tile_loadd(6, w, 2 * P * 2);
+        _tile_loadd(7, w + P, 2 * P * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, c, ldc * 4);
+    _tile_stored(1, c + 16, ldc * 4);
 }
 
 /* Up to 16 rows: each of this thread's panels against x read in place (ldx apart), two
@@ -274,20 +297,8 @@ static void amx_small(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t 
         long n1 = (p + 1) * P;
         amx_store(c, P, (int)M, y + n1, ldy, N - n1 < P ? N - n1 : P);
     }
-    for (; p < e; p++) {
-        const uint16_t *w = wp + p * pstride;
-        _tile_zero(0);
-        _tile_zero(1);
-        for (long k = 0; k < K; k += AMX_K) {
-            const uint16_t *wk = w + (k / 2) * 2 * P;
-            _tile_loadd(4, x + k, ldx * 2);
-            _tile_loadd(6, wk, 2 * P * 2);
-            _tile_loadd(7, wk + P, 2 * P * 2);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        _tile_stored(0, c, P * 4);
-        _tile_stored(1, c + 16, P * 4);
+    if (p < e) { /* an odd last panel */
+        amx_panel_out32(x, ldx, wp + p * pstride, kp_n, c, P);
         long n0 = p * P;
         amx_store(c, P, (int)M, y + n0, ldy, N - n0 < P ? N - n0 : P);
     }
@@ -366,29 +377,7 @@ static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, lon
     free(acc);
 }
 
-/* c[16][P] (ldc floats) = a[16][K] (lda apart) x one panel of kp_n = K / 2 pairs, fp32; K a
- * multiple of 32. Tiles configured by amx_configure(16) (attn_bf16.c's products). */
-static void amx_panel16_out32(const uint16_t *a, long lda, const uint16_t *w, long kp_n,
-                              float *c, long ldc) {
-    _tile_zero(0);
-    _tile_zero(1);
-    for (long kp = 0; kp < kp_n; kp += AMX_K / 2, w += AMX_K * P, a += AMX_K) {
-        _tile_loadd(4, a, lda * 2);
-        _tile_loadd(6, w, 2 * P * 2);
-        _tile_loadd(7, w + P, 2 * P * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-    }
-    _tile_stored(0, c, ldc * 4);
-    _tile_stored(1, c + 16, ldc * 4);
-}
-
 static int amx_applies(long K, long ldx) { return g_amx && K % AMX_K == 0 && ldx >= K; }
-
-/* Bytes of x copy the AMX path needs for M rows of K (0 up to 16 rows: x read in place). */
-static long amx_copy_bytes(long M, long K) {
-    return M > AMX_M ? (M + AMX_XB - 1) / AMX_XB * AMX_XB * K * 2 : 0;
-}
 
 /* Inside a parallel region, every thread: y = x @ W^T on AMX tiles. xt: amx_copy_bytes. */
 static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
@@ -414,33 +403,24 @@ static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint1
     /* (implicit barrier: x is copied before any panel runs) */
     if (b < e) amx_blocked(xb, wp, y, ldy, M, N, K, b, e);
 }
-#else
-static int amx_applies(long K, long ldx) {
-    (void)K, (void)ldx;
-    return 0;
-}
-static long amx_copy_bytes(long M, long K) {
-    (void)M, (void)K;
-    return 0;
-}
-static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
-                          long ldy, long M, long N, long K, uint32_t *xt) {
-    (void)x, (void)ldx, (void)wp, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)xt;
-}
 #endif
 
 /* Bytes of scratch linear_in_region needs for M rows of K (x's pairs or its AMX copy). */
 static long linear_scratch_bytes(long M, long K, long ldx) {
+#if TG_AMX
     if (amx_applies(K, ldx)) return amx_copy_bytes(M, K);
+#endif
     return M <= MB_MAX && K % 2 == 0 && ldx % 2 == 0 ? 0 : M * ((K + 1) / 2) * 4;
 }
 
 static void linear_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
                              long ldy, long M, long N, long K, uint32_t *xt) {
+#if TG_AMX
     if (amx_applies(K, ldx)) {
         amx_in_region(x, ldx, wp, y, ldy, M, N, K, xt);
         return;
     }
+#endif
     long panels = (N + P - 1) / P, kp_n = (K + 1) / 2, b, e;
     long pstride = kp_n * 2 * P;
     if (M <= MB_MAX && K % 2 == 0 && ldx % 2 == 0) {
@@ -492,11 +472,6 @@ int tg_bf16_linear(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
 }
 
 #else
-
-static long amx_copy_bytes(long M, long K) {
-    (void)M, (void)K;
-    return 0;
-}
 
 int tg_bf16_linear(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
                    long M, long N, long K, int nthreads) {

@@ -21,7 +21,9 @@ there: ~90-150 GFLOP/s, 5-10x slower than AMX above 32 rows).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,13 +31,55 @@ from torch import Tensor
 from tailguard.model.kernels.build import Loader
 from tailguard.model.kernels.small_m import PanelWeight
 
-__all__ = ["Bf16Kernel", "bf16_kernel_unavailable_reason", "load_bf16_kernel"]
+__all__ = [
+    "AmxPath",
+    "Bf16Kernel",
+    "bf16_kernel_unavailable_reason",
+    "check_each_path",
+    "load_bf16_kernel",
+]
 
 SOURCE = Path(__file__).with_name("gemv_bf16.c")
 ABI = 2  # tg_bf16_kernel_abi() of the source this module expects
 
 
-class Bf16Kernel:
+class AmxPath:
+    """The AMX switch of a library built from gemv_bf16.c or a C file that includes it
+    (tg_bf16_set_amx; each library has its own): `amx` says whether its products run on AMX
+    tiles, `use_amx` turns them on or off. On by default where the build, the CPU and Linux
+    (the tile-state permission) allow."""
+
+    amx: bool = False
+    _set_amx: Any = None
+
+    def _bind_amx(self, lib: ctypes.CDLL) -> None:
+        fn = lib.tg_bf16_set_amx
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int]
+        self._set_amx = fn
+        self.amx = bool(fn(1))
+
+    def use_amx(self, on: bool) -> bool:
+        """On AMX tiles (on) or on vdpbf16ps alone; returns whether AMX is now on."""
+        self.amx = bool(self._set_amx(int(on)))
+        return self.amx
+
+
+def check_each_path(kernel: AmxPath, check: Callable[[], str | None]) -> str | None:
+    """`check()` on the vdpbf16ps path, then on AMX tiles where the kernel has them; the first
+    failure (naming its path) or None. The kernel is left on the path it was on."""
+    amx = kernel.amx
+    try:
+        for on in (False, True) if amx else (False,):
+            kernel.use_amx(on)
+            if (why := check()) is not None:
+                return f"{why} ({'AMX' if on else 'vdpbf16ps'})"
+    finally:
+        kernel.use_amx(amx)
+    return None
+
+
+class Bf16Kernel(AmxPath):
     """y = x @ w^T for bf16 x [M, K] (any M) and w packed once by `pack` from [N, K] bf16."""
 
     dtype = torch.bfloat16
@@ -54,17 +98,8 @@ class Bf16Kernel:
         self._pack.argtypes = [c_void_p, c_void_p, c_long, c_long]
         self.width = int(lib.tg_bf16_panel_width())
         self.supported = bool(lib.tg_bf16_supported())
-        self._set_amx = lib.tg_bf16_set_amx
-        self._set_amx.restype = ctypes.c_int
-        self._set_amx.argtypes = [ctypes.c_int]
-        self.amx = bool(self._set_amx(1))  # AMX tiles where the build and the CPU have them
+        self._bind_amx(lib)  # the same panels serve both paths
         self._lib = lib  # keeps the library loaded
-
-    def use_amx(self, on: bool) -> bool:
-        """Run on AMX tiles (on, where the CPU and the build have them) or on vdpbf16ps alone;
-        the same panels serve both. Returns whether AMX is now on."""
-        self.amx = bool(self._set_amx(int(on)))
-        return self.amx
 
     def pack(self, w: Tensor) -> PanelWeight:
         """[N, K] bf16 -> panels [ceil(N / 32), ceil(K / 2), 64] (pairs of k side by side per
@@ -102,15 +137,7 @@ def _check(kernel: Bf16Kernel) -> str | None:
     panels): None if right (within one bf16 rounding of the output), else why not."""
     if not kernel.supported:
         return "this CPU has no AVX512-BF16 (vdpbf16ps)"
-    amx = kernel.amx
-    try:
-        for on in (False, True) if amx else (False,):
-            kernel.use_amx(on)
-            if (why := _check_products(kernel)) is not None:
-                return f"{why} ({'AMX' if on else 'vdpbf16ps'})"
-    finally:
-        kernel.use_amx(amx)
-    return None
+    return check_each_path(kernel, lambda: _check_products(kernel))
 
 
 def _check_products(kernel: Bf16Kernel) -> str | None:
