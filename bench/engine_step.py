@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import math
 import pstats
 import random
@@ -199,6 +200,11 @@ def main() -> None:
     ap.add_argument(
         "--ab-fused", action="store_true", help="op by op, then the fused decode stack; ratio"
     )
+    ap.add_argument(
+        "--ab-greedy-head",
+        action="store_true",
+        help="the stack without its greedy head (norm, head, argmax in Python), then with; ratio",
+    )
     ap.add_argument("--matmuls", action="store_true", help="per-matmul micro bench")
     ap.add_argument(
         "--prefill-peak",
@@ -219,7 +225,7 @@ def main() -> None:
     model = args.model or default_model_dir()
     cfg = MistralConfig.from_dir(model)
     bound: dict[int, float] = {}
-    if args.ab_kernel or args.ab_fused or args.matmuls:
+    if args.ab_kernel or args.ab_fused or args.ab_greedy_head or args.matmuls:
         wb = weight_bytes(cfg, getattr(torch, args.dtype).itemsize)
         for t in sorted({1, args.threads}):
             gbs = read_bandwidth(t)
@@ -259,6 +265,17 @@ def main() -> None:
                 f"{PAIRED[1]:.2f}x, op by op {PAIRED[0]:.2f}x"
             )
         return
+    if args.ab_greedy_head:
+        off, on = (
+            run_engine(args, model, not args.no_kernel, True, greedy_head=g) for g in (False, True)
+        )
+        b = bound.get(args.threads, math.nan)
+        print(
+            f"decode step batch={args.batch} threads={args.threads}: greedy head {on:.1f} ms, "
+            f"without {off:.1f} ms (without / with {off / on:.2f}x); bound {b:.1f} ms: with "
+            f"{on / b:.2f}x the bound, without {off / b:.2f}x"
+        )
+        return
     variants = [True, False] if args.ab_kernel else [not args.no_kernel]
     steps: dict[bool, float] = {}
     for use_kernel in variants[::-1]:  # oneDNN first in an A/B
@@ -278,8 +295,11 @@ def main() -> None:
             )
 
 
-def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: bool) -> float:
-    """One engine's median decode step in ms (printed with its parts)."""
+def run_engine(
+    args: argparse.Namespace, model: Path, use_kernel: bool, fused: bool, greedy_head: bool = True
+) -> float:
+    """One engine's median decode step in ms (printed with its parts); greedy_head=False
+    leaves the decode stack's greedy tail off (the final norm, head and argmax in Python)."""
     extra: dict[str, Any] = {}
     if args.old_buckets:
         extra["token_buckets"] = (16, 32, 64, 128, 256, 512, 1024)
@@ -296,19 +316,28 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: b
         **extra,
     )
     core = EngineCore(cfg, model)
+    if not greedy_head and core.runner.model._stack is not None:
+        core.runner.model._stack = dataclasses.replace(core.runner.model._stack, greedy_head=None)
     core.warmup()
     encode = msgspec.msgpack.Encoder().encode
     rng = random.Random(0)
     forwards: list[float] = []
-    inner = core.runner.model.forward
+    model_ = core.runner.model
 
-    def timed(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        out = inner(*a, **k)
-        forwards.append(time.perf_counter() - t0)
-        return out
+    def timing(inner: Any) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            out = inner(*a, **k)
+            if out is not None:  # decode_greedy: None where it does not apply
+                forwards.append(time.perf_counter() - t0)
+            return out
 
-    core.runner.model.forward = timed  # type: ignore[method-assign]
+        return timed
+
+    # the forward; where the decode stack takes a greedy step whole (decode_greedy), that
+    # call, which includes the final norm, the head and the argmax
+    model_.forward = timing(model_.forward)  # type: ignore[method-assign]
+    model_.decode_greedy = timing(model_.decode_greedy)  # type: ignore[method-assign]
 
     def run(tag: str) -> tuple[list[float], list[float], list[float]]:
         for i in range(args.batch):
@@ -355,6 +384,10 @@ def run_engine(args: argparse.Namespace, model: Path, use_kernel: bool, fused: b
     kernel = "kernel" if core.runner.small_m_kernel is not None else "oneDNN"
     if core.runner.model._stack is not None:
         kernel += ", fused decode stack"
+        if core.runner.model._stack.greedy_head is None:
+            kernel += " without its greedy head"
+        elif args.temperature <= 0:
+            kernel += " + greedy head (forward includes the head and argmax)"
     rss = psutil.Process().memory_info().rss / 2**20
     print(
         f"{model.name} batch={args.batch} threads={args.threads} dtype={args.dtype} "

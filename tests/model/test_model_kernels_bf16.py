@@ -35,7 +35,12 @@ from tailguard.model.kernels.attn_bf16 import (
 )
 from tailguard.model.kernels.attn_bf16 import _check as prefill_check
 from tailguard.model.kernels.attn_bf16 import reference as prefill_reference
-from tailguard.model.kernels.decode import DecodeStack, decode_unavailable_reason, load_decode_stack
+from tailguard.model.kernels.decode import (
+    Bf16DecodeStack,
+    DecodeStack,
+    decode_unavailable_reason,
+    load_decode_stack,
+)
 from tailguard.model.kernels.decode import self_check as decode_self_check
 from tailguard.model.kernels.small_m_bf16 import _check
 from tailguard.model.loader import load_model, onednn_uses_amx
@@ -327,20 +332,94 @@ def test_bf16_decode_stack_self_check_catches_a_wrong_stack(kernel: Bf16Kernel) 
     assert "decode stack self-check failed" in (decode_self_check(Skewed()) or "")  # type: ignore[arg-type]
 
 
+def _counting_greedy_heads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Calls of the bf16 stack's greedy head from now on (one entry per call)."""
+    calls: list[int] = []
+    head = Bf16DecodeStack.greedy_head
+
+    def counted(self: Bf16DecodeStack, *a: object) -> torch.Tensor:
+        calls.append(1)
+        return head(self, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Bf16DecodeStack, "greedy_head", counted)
+    return calls
+
+
 def test_engine_greedy_tokens_identical_with_and_without_the_bf16_stack(
     kernel: Bf16Kernel, amx: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The embedded model in bf16: 20 sequences (decode batches above the kernel's 12 direct
     rows and AMX's 16-row tile, so the blocked paths run too) generate the same greedy tokens
-    with the stack as op by op."""
+    with the stack (and its greedy head: the final norm, the head and the argmax in one C
+    call) as op by op."""
     _bf16_stack_or_skip(kernel)
     rng = random.Random(21)
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(2, 60))] for _ in range(20)]
 
     fused = _engine(monkeypatch, amx=False)
     assert fused.runner.model._stack is not None
+    assert fused.runner.model._stack.greedy_head is not None
     unfused = _engine(monkeypatch, amx=False, fused_decode=False)
+    calls = _counting_greedy_heads(monkeypatch)
     assert _greedy(fused, prompts, 16) == _greedy(unfused, prompts, 16)
+    assert len(calls) == 15  # every decode step of the fused engine (16 tokens: 1 + 15)
+
+
+def test_greedy_head_gives_the_op_by_op_tokens(kernel: Bf16Kernel, amx: bool) -> None:
+    """The stack's greedy head against the op-by-op tail on the same rows: the row kernel's
+    RMSNorm, the head on the bf16 kernel, torch's argmax of the bf16 logits; rows picked out
+    of order and repeated, one row NaN (torch's argmax takes the first NaN), and rows it
+    cannot read refused with a clear error."""
+    stack = _bf16_stack_or_skip(kernel)
+    assert stack.use_amx(amx) == amx
+    rows_kernel = load_row_kernel()
+    assert rows_kernel is not None
+    g = torch.Generator().manual_seed(3)
+    t, h, vocab = 21, 64, 1000  # 21 rows read: past AMX's 16-row tile on the AMX path
+    x = torch.randn(t, h, generator=g).bfloat16()
+    x[5, 7] = float("nan")
+    norm_w = (torch.rand(h, generator=g) + 0.5).bfloat16()
+    head = (torch.randn(vocab, h, generator=g) * 0.2).bfloat16()
+    for rows in ([3, 0, 20, 7, 5], [2, 2, 9, 1, 4, 6, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]):
+        idx = torch.tensor(rows)
+        got = stack.greedy_head(x, idx, norm_w, 1e-5, stack.pack(head), vocab, 2)
+        normed = rows_kernel.rms_norm(x, norm_w, 1e-5, 2)[idx]
+        logits = kernel.linear(normed, kernel.pack(head), 2)
+        assert got.tolist() == logits.float().argmax(-1).tolist()
+    assert torch.isnan(
+        kernel.linear(rows_kernel.rms_norm(x, norm_w, 1e-5)[5:6], kernel.pack(head))
+    ).any()
+    with pytest.raises(ValueError, match="greedy head refused"):
+        stack.greedy_head(x, torch.tensor([0, t]), norm_w, 1e-5, stack.pack(head), vocab, 2)
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        stack.greedy_head(x.float(), torch.tensor([0]), norm_w, 1e-5, stack.pack(head), vocab, 2)
+
+
+def test_engine_takes_the_greedy_head_only_when_every_sequence_is_greedy(
+    kernel: Bf16Kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with a sampled sequence in it needs the logits: it runs the forward and the
+    head in Python; the greedy sequence beside it gets the same tokens as alone."""
+    _bf16_stack_or_skip(kernel)
+    core = _engine(monkeypatch, amx=False)
+    calls = _counting_greedy_heads(monkeypatch)
+    alone = _greedy(core, [[5, 9, 17, 3]], 6)
+    assert len(calls) == 5
+    calls.clear()
+    core.add(
+        EngineRequest(
+            request_id="r0",
+            prompt_token_ids=(5, 9, 17, 3),
+            sampling=SamplingParams(max_tokens=6, ignore_eos=True),
+        )
+    )
+    hot = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=1)
+    core.add(EngineRequest(request_id="hot", prompt_token_ids=(40, 2, 7), sampling=hot))
+    got: dict[str, list[int]] = {}
+    while core.has_work():
+        for o in core.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert calls == [] and got["r0"] == alone["r0"] and len(got["hot"]) == 6
 
 
 # ---- first chunks' causal attention in bf16 (attn_bf16.c) ----

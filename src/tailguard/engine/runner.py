@@ -423,6 +423,13 @@ class ModelRunner:
             if key is not None:
                 return self._execute_graph(items, self.graphs, key)
         plan = _Plan.build(items, self.config, self.blocks_ladder, self.device)
+        if _greedy_only(items):
+            with torch.inference_mode():
+                ids = self.model.decode_greedy(plan.batch, self.kv_caches, plan.last_index)
+            if ids is not None:  # the decode stack ran the norm, the head and the argmax too
+                self.shapes.record(plan.keys)
+                self.last_shape = plan.shape
+                return [SeqResult(token_id=t) for t in ids.tolist()[: len(items)]]
         with torch.inference_mode():
             hidden = self.model(plan.batch, self.kv_caches)  # [T, hidden]
             rows = hidden[plan.last_index]  # [S, hidden]: each sequence's last new token
@@ -601,6 +608,19 @@ class _Plan:
             spans,
             needs_logits,
         )
+
+
+def _greedy_only(items: list[ScheduledSeq]) -> bool:
+    """Every item takes its next token by argmax this step and wants nothing else from it
+    (no sampling, embedding or scores): the step's result is its token ids alone."""
+    return all(
+        it.completes
+        and it.seq.request.kind == RequestKind.GENERATE
+        and not it.seq.is_single_pass
+        and it.seq.request.sampling.temperature <= 0
+        and not it.seq.request.want_embedding
+        for it in items
+    )
 
 
 def _by_query_bucket(items: list[ScheduledSeq]) -> list[list[int]]:

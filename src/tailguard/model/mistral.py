@@ -422,10 +422,38 @@ class MistralModel(nn.Module):
             c.intermediate_size, kv_caches[0][0].shape[1], c.sliding_window or 0,
             c.rms_norm_eps, c.head_dim**-0.5,
         )  # fmt: skip
-        self._stack = _BoundStack(stack, stack.layers(refs), refs, dims)
+        head = self._head_packed
+        greedy = (
+            _panels(head)
+            if stack.has_greedy_head
+            and isinstance(head, KernelLinear)
+            and head.kernel.dtype == stack.dtype
+            and head.kernel.width == stack.width
+            else None
+        )
+        self._stack = _BoundStack(stack, stack.layers(refs), refs, dims, greedy)
         return True
 
+    def decode_greedy(self, batch: ForwardBatch, kv_caches: KVCache, rows: Tensor) -> Tensor | None:
+        """The greedy next token [len(rows)] (int64) of each row index of a decode step in
+        one call after the stack: the final norm, the head and the argmax in C, the same
+        bits as `forward`, `head` and an argmax of its logits. None where the stack does not
+        run this batch or has no greedy head (fp32; a head not on its kernel)."""
+        stack = self._stack
+        if stack is None or stack.greedy_head is None or not stack.applies(batch, kv_caches):
+            return None
+        x = self._run_stack(batch, stack)
+        c = self.config
+        return stack.kernel.greedy_head(
+            x, rows, self.norm.weight.detach(), c.rms_norm_eps, stack.greedy_head,
+            c.vocab_size, torch.get_num_threads(),
+        )  # fmt: skip
+
     def _forward_stack(self, batch: ForwardBatch, stack: _BoundStack) -> Tensor:
+        return self.norm(self._run_stack(batch, stack))
+
+    def _run_stack(self, batch: ForwardBatch, stack: _BoundStack) -> Tensor:
+        """The decoder stack's output [T, H] (the residual stream, before the final norm)."""
         x = self.embed_tokens(batch.input_ids).contiguous()  # [T, H], updated in place
         # [T, hd] in the model dtype (bf16: cast as the op-by-op forward casts)
         cos = self.rope_cos.index_select(0, batch.positions).to(x.dtype).contiguous()
@@ -437,7 +465,7 @@ class MistralModel(nn.Module):
             group.token_index[:, 0].contiguous(), tables, group.context_lens.contiguous(),
             tables.shape[1] * stack.dims.bs, torch.get_num_threads(),
         )  # fmt: skip
-        return self.norm(x)
+        return x
 
     def prepack(self, pack: bool = True, kernel: LinearKernel | None = None) -> None:
         """Replace every projection and the output head by faster linears (CPU inference).
@@ -540,6 +568,7 @@ class _BoundStack:
     layers: Any  # the ctypes array of decode.c's struct tg_layer
     refs: list[LayerRefs]  # keeps every pointer in `layers` alive
     dims: StackDims
+    greedy_head: Tensor | None = None  # the head's panels where the stack runs greedy_head
 
     def applies(self, batch: ForwardBatch, kv_caches: KVCache) -> bool:
         """One decode group (one query a sequence), over the cache the stack was bound to."""

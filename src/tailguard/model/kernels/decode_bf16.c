@@ -150,4 +150,71 @@ int tg_decode_stack_bf16(const struct tg_layer_bf16 *layers, long n_layers,
 #endif
 }
 
-int tg_decode_bf16_abi(void) { return 2; }
+#if TG_BF16
+static float bf16_to_float(bf16_t b) { /* exact: bf16 is fp32's upper half */
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+#endif
+
+/* Bytes of scratch tg_greedy_head_bf16 needs. */
+long tg_greedy_scratch_bf16(long nrows, long H, long V, int nthreads) {
+    return align64(2 * nrows * H) + align64(2 * nrows * V) + xt_bytes(nrows, H) +
+           align64(4 * V) * nthreads;
+}
+
+/* The greedy tail of a decode step, in one parallel region: for each of nrows rows of the
+ * stack's output x [T, H] (row rows[i]), the final RMSNorm (norm_w), the output head (panels
+ * of [V, H] from tg_bf16_pack) and the id of the first maximal logit (a NaN wins, as
+ * torch.argmax) into ids[i]. The op-by-op tail's roundings: rms_row_bf16 as the norm, the
+ * head on linear_in_region as the bf16 kernel, bf16 logits widened to fp32 for row_argmax.
+ * Why: that tail was five Python calls and a [rows, V] fp32 copy, ~1 ms of a 246M model's
+ * 22-ms batch-8 step (docs/benchmarks.md, issue 12, session 32).
+ * scratch: tg_greedy_scratch_bf16 bytes, 64-byte aligned. Returns 0, -1 on bad arguments,
+ * -3 without AVX512-BF16. */
+int tg_greedy_head_bf16(const bf16_t *x, long T, const long *rows, long nrows,
+                        const bf16_t *norm_w, float eps, long H, const bf16_t *head, long V,
+                        long *ids, char *scratch, int nthreads) {
+#if !TG_BF16
+    (void)x, (void)T, (void)rows, (void)nrows, (void)norm_w, (void)eps, (void)H, (void)head;
+    (void)V, (void)ids, (void)scratch, (void)nthreads;
+    return -3;
+#else
+    if (nrows < 1 || T < 1 || V < 1 || H % VL || H % 2 || nthreads < 1) return -1;
+    for (long i = 0; i < nrows; i++)
+        if (rows[i] < 0 || rows[i] >= T) return -1;
+    char *c = scratch;
+    bf16_t *h = (bf16_t *)c;
+    c += align64(2 * nrows * H);
+    bf16_t *logits = (bf16_t *)c;
+    c += align64(2 * nrows * V);
+    uint32_t *xt = (uint32_t *)c;
+    c += xt_bytes(nrows, H);
+    float *wide = (float *)c;
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void);
+        float *row = wide + (long)omp_get_thread_num() * (align64(4 * V) / 4);
+#else
+        float *row = wide;
+#endif
+#pragma omp for schedule(static)
+        for (long i = 0; i < nrows; i++)
+            rms_row_bf16(x + rows[i] * H, norm_w, h + i * H, H, eps);
+        linear_in_region(h, H, head, logits, V, nrows, V, H, xt);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (long i = 0; i < nrows; i++) {
+            const bf16_t *l = logits + i * V;
+            for (long j = 0; j < V; j++) row[j] = bf16_to_float(l[j]);
+            ids[i] = row_argmax(row, V);
+        }
+    }
+    return 0;
+#endif
+}
+
+int tg_decode_bf16_abi(void) { return 3; }
