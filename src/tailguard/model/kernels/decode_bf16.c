@@ -39,6 +39,13 @@ static long max3(long a, long b, long c) { return a > b ? (a > c ? a : c) : (b >
 /* Bytes of scratch tg_decode_stack_bf16 needs (each part 64-byte aligned). */
 static long align64(long n) { return (n + 63) / 64 * 64; }
 
+/* The next `bytes` of the scratch at *c (each piece 64-byte aligned). */
+static void *carve(char **c, long bytes) {
+    void *p = *c;
+    *c += align64(bytes);
+    return p;
+}
+
 /* The linears' x scratch for T rows, on either path (vdpbf16ps pairs or the AMX copy). */
 static long xt_bytes(long T, long kmax) {
     long pairs = T > MB_MAX ? 4 * T * ((kmax + 1) / 2) : 0;
@@ -80,20 +87,11 @@ int tg_decode_stack_bf16(const struct tg_layer_bf16 *layers, long n_layers,
         nh / nkv > REP_MAX || hd > HD_MAX || H % 2 || I % 2 || nq % 2)
         return -1;
     char *c = scratch;
-    bf16_t *h = (bf16_t *)c;
-    c += align64(2 * T * H);
-    bf16_t *tmp = (bf16_t *)c;
-    c += align64(2 * T * H);
-    bf16_t *qkv = (bf16_t *)c;
-    c += align64(2 * T * nqkv);
-    bf16_t *att = (bf16_t *)c; /* T + 1 rows: row T is the padding row, as in the torch path */
-    c += align64(2 * (T + 1) * nq);
-    bf16_t *gu = (bf16_t *)c;
-    c += align64(2 * T * 2 * I);
-    bf16_t *act = (bf16_t *)c;
-    c += align64(2 * T * I);
-    uint32_t *xt = (uint32_t *)c;
-    c += xt_bytes(T, max3(H, nq, I));
+    bf16_t *h = carve(&c, 2 * T * H), *tmp = carve(&c, 2 * T * H);
+    bf16_t *qkv = carve(&c, 2 * T * nqkv);
+    bf16_t *att = carve(&c, 2 * (T + 1) * nq); /* row T: the padding row, as in the torch path */
+    bf16_t *gu = carve(&c, 2 * T * 2 * I), *act = carve(&c, 2 * T * I);
+    uint32_t *xt = carve(&c, xt_bytes(T, max3(H, nq, I)));
     float *scores = (float *)c;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -186,12 +184,8 @@ int tg_greedy_head_bf16(const bf16_t *x, long T, const long *rows, long nrows,
     for (long i = 0; i < nrows; i++)
         if (rows[i] < 0 || rows[i] >= T) return -1;
     char *c = scratch;
-    bf16_t *h = (bf16_t *)c;
-    c += align64(2 * nrows * H);
-    bf16_t *logits = (bf16_t *)c;
-    c += align64(2 * nrows * V);
-    uint32_t *xt = (uint32_t *)c;
-    c += xt_bytes(nrows, H);
+    bf16_t *h = carve(&c, 2 * nrows * H), *logits = carve(&c, 2 * nrows * V);
+    uint32_t *xt = carve(&c, xt_bytes(nrows, H));
     float *wide = (float *)c;
 #pragma omp parallel num_threads(nthreads)
     {
