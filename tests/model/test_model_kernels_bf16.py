@@ -85,9 +85,9 @@ def test_kernel_matches_float64_on_every_block_edge(
     kernel: Bf16Kernel, amx: bool, threads: int
 ) -> None:
     """Rows 1-17, 25, 32, 33 and 45 (vdpbf16ps: in place up to 12, paired chunks above; AMX:
-    one in-place tile up to 16, padded blocks of 32 above), odd K and K off 32 (the vdpbf16ps
-    path on an AMX machine), partial panels: within one bf16 rounding of the exact product
-    (fp32 sums, rounded once)."""
+    one in-place tile up to 16, two up to 32, padded blocks of 32 above), odd K and K off 32
+    (the vdpbf16ps path on an AMX machine), partial panels: within one bf16 rounding of the
+    exact product (fp32 sums, rounded once)."""
     g = torch.Generator().manual_seed(3)
     for m in (*range(1, 18), 25, 32, 33, 45):
         for n, k in ((31, 64), (33, 65), (64, 128), (70, 7), (50, 96)):
@@ -105,8 +105,22 @@ def test_kernel_reads_strided_and_misaligned_inputs(kernel: Bf16Kernel, amx: boo
     wide = torch.randn(40, 300, generator=g).bfloat16()  # 40 rows: AMX's padded blocks too
     w = torch.randn(96, 128, generator=g).bfloat16()
     wp = kernel.pack(w)
-    for view in (wide[:, :128], wide[:9, :128], wide[:, 1:129], wide[:3, 7:135], wide[:14, 2:130]):
+    views = (wide[:, :128], wide[:9, :128], wide[:, 1:129], wide[:3, 7:135], wide[:14, 2:130])
+    views += (wide[:25, 32:160], wide[:32, 5:133])  # AMX: two in-place tiles
+    for view in views:
         assert torch.equal(kernel.linear(view, wp), kernel.linear(view.contiguous(), wp))
+
+
+def test_kernel_rows_do_not_depend_on_the_row_count(kernel: Bf16Kernel, amx: bool) -> None:
+    """Each output row is the same bits whichever path its row count takes (AMX: one tile up to
+    16 rows, two up to 32, padded blocks above; vdpbf16ps: in place up to 12, chunks above):
+    the products run in the same order on every path."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(45, 256, generator=g).bfloat16()
+    wp = kernel.pack(torch.randn(100, 256, generator=g).bfloat16())
+    full = kernel.linear(x, wp)
+    for m in (1, 8, 12, 13, 16, 17, 25, 32, 33):
+        assert torch.equal(kernel.linear(x[:m], wp), full[:m]), m
 
 
 def test_kernel_refuses_what_it_cannot_read(kernel: Bf16Kernel) -> None:

@@ -64,10 +64,10 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* Bytes of x copy the AMX path needs for M rows of K (0 up to 16 rows: x read in place; 0 in a
+/* Bytes of x copy the AMX path needs for M rows of K (0 up to 32 rows: x read in place; 0 in a
  * build without AMX). */
 static long amx_copy_bytes(long M, long K) {
-    return TG_AMX && M > AMX_M ? (M + AMX_XB - 1) / AMX_XB * AMX_XB * K * 2 : 0;
+    return TG_AMX && M > AMX_XB ? (M + AMX_XB - 1) / AMX_XB * AMX_XB * K * 2 : 0;
 }
 
 int tg_bf16_panel_width(void) { return P; }
@@ -238,6 +238,19 @@ static void amx_configure(int rows) {
     _tile_loadconfig(&cfg);
 }
 
+/* 17 to 32 rows read in place (amx_medium): C tiles 0-1 and A tile 4 the first 16 rows, C
+ * 2-3 and A 5 the other `rows2`, B 6-7. */
+static void amx_configure_split(int rows2) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = t == 2 || t == 3 || t == 5 ? (uint8_t)rows2 : 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
 /* c[rows][P] fp32 (ldc floats) rounded into y rows (nvalid columns). */
 static void amx_store(const float *c, long ldc, int rows, uint16_t *y, long ldy, long nvalid) {
     for (int m = 0; m < rows; m++) {
@@ -327,7 +340,49 @@ static void amx_small(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t 
     _tile_release();
 }
 
-/* Above 16 rows: xb holds x in zero-padded blocks of 32 rows, each k-step's two A tiles side
+/* 17 to 32 rows (a decode step of up to 32 sequences): x read in place as two A tiles, each of
+ * this thread's panels over the whole of K with its 2 x 2 C tiles (no x copy, no k-chunks: x
+ * stays in L1/L2 for every panel, the weights stream once), the weights of the k-step
+ * AMX_PF_STEPS ahead prefetched into L1 as in amx_small. The same products in the same order
+ * as amx_blocked, so the same bits. */
+static void amx_medium(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
+                       long M, long N, long K, long b, long e) {
+    long pstride = K / 2 * 2 * P;
+    const uint16_t *x2 = x + AMX_M * ldx;
+    float c[AMX_XB * P] __attribute__((aligned(64)));
+    amx_configure_split((int)(M - AMX_M));
+    for (long p = b; p < e; p++) {
+        const uint16_t *w = wp + p * pstride;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (long k = 0; k < K; k += AMX_K, w += AMX_K * P) {
+            long ka = k + AMX_PF_STEPS * AMX_K;
+            if (ka < K)
+                amx_prefetch_step(w + AMX_PF_STEPS * AMX_K * P);
+            else if (p + 1 < e)
+                amx_prefetch_step(wp + (p + 1) * pstride + (ka - K) * P);
+            _tile_loadd(6, w, 2 * P * 2);
+            _tile_loadd(7, w + P, 2 * P * 2);
+            _tile_loadd(4, x + k, ldx * 2);
+            _tile_loadd(5, x2 + k, ldx * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c, P * 4);
+        _tile_stored(1, c + 16, P * 4);
+        _tile_stored(2, c + AMX_M * P, P * 4);
+        _tile_stored(3, c + AMX_M * P + 16, P * 4);
+        long n0 = p * P;
+        amx_store(c, P, (int)M, y + n0, ldy, N - n0 < P ? N - n0 : P);
+    }
+    _tile_release();
+}
+
+/* Above 32 rows: xb holds x in zero-padded blocks of 32 rows, each k-step's two A tiles side
  * by side ([blocks][K/32][32 rows][32]: one 2 KB stream per block, as the panel is one for B);
  * each panel against a group of blocks that fits in L2 while the panel stays in L1/L2. */
 static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, long ldy, long M,
@@ -406,8 +461,9 @@ static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint1
                           long ldy, long M, long N, long K, uint32_t *xt) {
     long panels = (N + P - 1) / P, b, e;
     my_panels(panels, &b, &e);
-    if (M <= AMX_M) {
-        if (b < e) amx_small(x, ldx, wp, y, ldy, M, N, K, b, e);
+    if (M <= AMX_XB) {
+        if (b < e && M <= AMX_M) amx_small(x, ldx, wp, y, ldy, M, N, K, b, e);
+        else if (b < e) amx_medium(x, ldx, wp, y, ldy, M, N, K, b, e);
         return;
     }
     uint16_t *xb = (uint16_t *)xt;
