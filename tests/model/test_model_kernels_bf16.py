@@ -123,6 +123,27 @@ def test_kernel_rows_do_not_depend_on_the_row_count(kernel: Bf16Kernel, amx: boo
         assert torch.equal(kernel.linear(x[:m], wp), full[:m]), m
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_silu_gives_the_two_calls_bits(kernel: Bf16Kernel, amx: bool, threads: int) -> None:
+    """linear_silu: silu(gate) * up of w13's product, bit for bit `linear` and then the row
+    kernel's bf16 silu_mul, on AMX above 32 rows (k-chunks and x groups included: K 1,024, 300
+    rows; an odd number of output panels); None where it does not run (32 rows and fewer,
+    vdpbf16ps), so the caller makes the two calls."""
+    rows_kernel = load_row_kernel()
+    assert rows_kernel is not None
+    g = torch.Generator().manual_seed(8)
+    for m, i, k in ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (32, 64, 64), (7, 64, 64)):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        w13 = kernel.pack((torch.randn(2 * i, k, generator=g) * 0.1).bfloat16())
+        got = kernel.linear_silu(x, w13, threads)
+        if not amx or m <= 32:
+            assert got is None
+            continue
+        assert got is not None
+        want = rows_kernel.silu_mul(kernel.linear(x, w13, threads), threads)
+        assert torch.equal(got, want), (m, i, k)
+
+
 def test_kernel_refuses_what_it_cannot_read(kernel: Bf16Kernel) -> None:
     wp = kernel.pack(torch.randn(8, 16).bfloat16())
     with pytest.raises(ValueError, match="bf16 x"):
@@ -535,6 +556,33 @@ def test_model_prefill_on_the_kernel_is_as_close_to_fp32_as_sdpa(
     assert not narrow.use_prefill_attention(attn)  # head_dim 16
     plain, _ = load_model(folder, dtype=torch.bfloat16)
     assert not plain.use_prefill_attention(attn)  # RoPE not on the row kernel
+
+
+def test_model_prefill_with_the_fused_silu_gives_the_same_bits(
+    kernel: Bf16Kernel, amx: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 model on the kernel and row kernels: a 40-token prefill runs the MLP's
+    silu(gate) * up inside w13 on AMX (every layer), with the same hidden states as the two
+    calls."""
+    folder = make_checkpoint(tmp_path / "ckpt", dataclasses.replace(TINY, head_dim=32))
+    model, _ = load_model(folder, dtype=torch.bfloat16)
+    assert model.use_row_kernel(load_row_kernel())
+    model.prepack(kernel=kernel)
+    step = [[(0, list(range(3, 43)))]]  # one group: a 40-token first chunk
+    calls: list[int] = []
+    fused = KernelLinear.linear_silu
+
+    def counted(self: KernelLinear, x: torch.Tensor) -> torch.Tensor | None:
+        out = fused(self, x)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(KernelLinear, "linear_silu", counted)
+    with_fused, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
+    monkeypatch.setattr(KernelLinear, "linear_silu", lambda self, x: None)
+    without, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
+    assert torch.equal(with_fused, without)
+    assert calls == [amx] * model.config.num_hidden_layers
 
 
 def test_engine_binds_the_prefill_attention_with_the_bf16_kernel(

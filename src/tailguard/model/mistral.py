@@ -238,7 +238,13 @@ class FeedForward(nn.Module):
         self.fused: RowKernel | None = None  # silu(gate) * up in one compiled pass where set
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.w13(x)  # [T, 2I]
+        w13 = self.w13
+        if self.fused is not None and isinstance(w13, KernelLinear):
+            # silu(gate) * up inside the bf16 kernel's w13 (prefill sizes on AMX), same bits
+            act = w13.linear_silu(x)
+            if act is not None:
+                return self.w2(act)
+        gate_up = w13(x)  # [T, 2I]
         if self.fused is not None and gate_up.is_contiguous():
             return self.w2(self.fused.silu_mul(gate_up, torch.get_num_threads()))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each

@@ -37,6 +37,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "rows.c" /* silu and the bf16 roundings of the fused silu(gate) * up store */
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define TG_BF16 1
@@ -382,11 +384,27 @@ static void amx_medium(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t
     _tile_release();
 }
 
+/* The fused silu(gate) * up store of amx_blocked: y rows = silu(gate) * up of fp32 sums g and
+ * u [rows][P] (ldc floats), with the unfused path's roundings (w13's output rounded to bf16 by
+ * store16's conversion, then rows.c's silu_row_bf16), so the same bits. */
+static void amx_store_silu(const float *g, const float *u, long ldc, int rows, uint16_t *y,
+                           long ldy) {
+    for (int m = 0; m < rows; m++)
+        for (int h = 0; h < P; h += 16) {
+            __m512i gb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+                _mm512_loadu_ps(g + m * ldc + h)));
+            __m512i ub = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+                _mm512_loadu_ps(u + m * ldc + h)));
+            vf gv = (vf)_mm512_slli_epi32(gb, 16), uv = (vf)_mm512_slli_epi32(ub, 16);
+            store_bf16(y + m * ldy + h, rne(silu(gv)) * uv);
+        }
+}
+
 /* Above 32 rows: xb holds x in zero-padded blocks of 32 rows, each k-step's two A tiles side
  * by side ([blocks][K/32][32 rows][32]: one 2 KB stream per block, as the panel is one for B);
  * each panel against a group of blocks that fits in L2 while the panel stays in L1/L2. */
 static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, long ldy, long M,
-                        long N, long K, long b, long e) {
+                        long N, long K, long b, long e, long silu_i, int *failed) {
     long kp_n = K / 2, pstride = kp_n * 2 * P, blocks = (M + AMX_XB - 1) / AMX_XB;
     long group = AMX_L2_X_BYTES / (AMX_XB * K * 2);
     if (group < 1) group = 1;
@@ -396,17 +414,29 @@ static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, lon
      * the blocks' sums wait in acc between chunks */
     long kc = K < AMX_KC ? K : AMX_KC;
     float *acc = kc < K ? aligned_alloc(64, (size_t)group * AMX_XB * P * 4) : NULL;
+    /* silu_i > 0 (tg_bf16_linear_silu): output panel q is silu(gate panel q) * up panel
+     * q + silu_i / P; the group's gate sums wait in gates */
+    float *gates = silu_i ? aligned_alloc(64, (size_t)group * AMX_XB * P * 4) : NULL;
+    if (silu_i && !gates) {
+#pragma omp atomic write
+        *failed = 1;
+        free(acc);
+        return;
+    }
     if (!acc) kc = K;
     amx_configure(AMX_M);
+    long half = silu_i / P, passes = silu_i ? 2 : 1;
     for (long g0 = 0; g0 < blocks; g0 += group) {
         long g1 = g0 + group < blocks ? g0 + group : blocks;
-        for (long p = b; p < e; p++) {
+        for (long q = b * passes; q < e * passes; q++) {
+            long p = passes == 2 ? q / 2 + (q % 2) * half : q; /* gate, up, gate, up, ... */
+            long next = passes == 2 ? (q + 1) / 2 + ((q + 1) % 2) * half : q + 1;
             const uint16_t *w = wp + p * pstride;
-            long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
+            long n0 = (passes == 2 ? q / 2 : p) * P, nvalid = N - n0 < P ? N - n0 : P;
             /* the next panel into L2 while this one computes, spread over its k-steps: a
              * panel's first pass would otherwise wait on memory at every line */
-            const char *pf = (const char *)(w + pstride);
-            const char *pf_end = pf + (p + 1 < e ? pstride * 2 : 0);
+            const char *pf = (const char *)(wp + next * pstride);
+            const char *pf_end = pf + (q + 1 < e * passes ? pstride * 2 : 0);
             long steps = (g1 - g0) * (K / AMX_K), per = (pstride * 2 / 64 + steps - 1) / steps;
             for (long k0 = 0; k0 < K; k0 += kc) {
                 long k1 = k0 + kc < K ? k0 + kc : K;
@@ -437,14 +467,18 @@ static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, lon
                         _tile_dpbf16ps(2, 5, 6);
                         _tile_dpbf16ps(3, 5, 7);
                     }
-                    float *dst = k1 == K ? c : a;
+                    float *gate = passes == 2 ? gates + (blk - g0) * AMX_XB * P : NULL;
+                    float *dst = k1 < K ? a : passes == 2 && q % 2 == 0 ? gate : c;
                     _tile_stored(0, dst, P * 4);
                     _tile_stored(1, dst + 16, P * 4);
                     _tile_stored(2, dst + AMX_M * P, P * 4);
                     _tile_stored(3, dst + AMX_M * P + 16, P * 4);
-                    if (k1 == K) {
+                    if (k1 == K && dst == c) {
                         long m0 = blk * AMX_XB, rows = M - m0 < AMX_XB ? M - m0 : AMX_XB;
-                        amx_store(c, P, (int)rows, y + m0 * ldy + n0, ldy, nvalid);
+                        if (passes == 2)
+                            amx_store_silu(gate, c, P, (int)rows, y + m0 * ldy + n0, ldy);
+                        else
+                            amx_store(c, P, (int)rows, y + m0 * ldy + n0, ldy, nvalid);
                     }
                 }
             }
@@ -452,21 +486,14 @@ static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, lon
     }
     _tile_release();
     free(acc);
+    free(gates);
 }
 
 static int amx_applies(long K, long ldx) { return g_amx && K % AMX_K == 0 && ldx >= K; }
 
-/* Inside a parallel region, every thread: y = x @ W^T on AMX tiles. xt: amx_copy_bytes. */
-static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
-                          long ldy, long M, long N, long K, uint32_t *xt) {
-    long panels = (N + P - 1) / P, b, e;
-    my_panels(panels, &b, &e);
-    if (M <= AMX_XB) {
-        if (b < e && M <= AMX_M) amx_small(x, ldx, wp, y, ldy, M, N, K, b, e);
-        else if (b < e) amx_medium(x, ldx, wp, y, ldy, M, N, K, b, e);
-        return;
-    }
-    uint16_t *xb = (uint16_t *)xt;
+/* Inside a parallel region: x into xb's zero-padded blocks of 32 rows (amx_copy_bytes), the
+ * rows split over the threads; returns after the barrier (x copied before any panel runs). */
+static void amx_copy_blocks(const uint16_t *x, long ldx, long M, long K, uint16_t *xb) {
     long padded = (M + AMX_XB - 1) / AMX_XB * AMX_XB;
 #pragma omp for schedule(static)
     for (long m = 0; m < padded; m++) {
@@ -478,8 +505,21 @@ static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint1
                 memset(dst, 0, AMX_K * 2);
         }
     }
-    /* (implicit barrier: x is copied before any panel runs) */
-    if (b < e) amx_blocked(xb, wp, y, ldy, M, N, K, b, e);
+}
+
+/* Inside a parallel region, every thread: y = x @ W^T on AMX tiles. xt: amx_copy_bytes. */
+static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
+                          long ldy, long M, long N, long K, uint32_t *xt) {
+    long panels = (N + P - 1) / P, b, e;
+    my_panels(panels, &b, &e);
+    if (M <= AMX_XB) {
+        if (b < e && M <= AMX_M) amx_small(x, ldx, wp, y, ldy, M, N, K, b, e);
+        else if (b < e) amx_medium(x, ldx, wp, y, ldy, M, N, K, b, e);
+        return;
+    }
+    amx_copy_blocks(x, ldx, M, K, (uint16_t *)xt);
+    int failed = 0; /* (no gate buffer without silu) */
+    if (b < e) amx_blocked((uint16_t *)xt, wp, y, ldy, M, N, K, b, e, 0, &failed);
 }
 #endif
 
@@ -560,6 +600,38 @@ int tg_bf16_linear(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
 
 #endif
 
+/* y [M, I] = silu(x @ Wg^T) * (x @ Wu^T), wp the panels of w13 [2I, K] (gate rows, then up
+ * rows): each product rounded to bf16 as tg_bf16_linear rounds it, then silu and the product
+ * as rows.c's tg_silu_mul_bf16, so the same bits as those two calls, without w13's [M, 2I]
+ * output going to memory and back. On AMX above 32 rows (the prefill's blocked path) only:
+ * returns -4 where that path does not apply (the caller makes the two calls), else 0, -1 on
+ * bad arguments, -2 without memory. */
+int tg_bf16_linear_silu(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
+                        long M, long I, long K, int nthreads) {
+    if (M < 1 || I < 1 || K < 1 || ldx < K || ldy < I || nthreads < 1) return -1;
+#if TG_AMX
+    if (M <= AMX_XB || I % P || !amx_applies(K, ldx)) return -4;
+    long panels = I / P;
+    if (nthreads > panels) nthreads = (int)panels;
+    long bytes = amx_copy_bytes(M, K);
+    uint32_t *xt = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
+    if (!xt) return -2;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        long b, e;
+        my_panels(panels, &b, &e);
+        amx_copy_blocks(x, ldx, M, K, (uint16_t *)xt);
+        if (b < e) amx_blocked((uint16_t *)xt, wp, y, ldy, M, I, K, b, e, I, &failed);
+    }
+    free(xt);
+    return failed ? -2 : 0;
+#else
+    (void)x, (void)wp, (void)y;
+    return -4;
+#endif
+}
+
 /* Turn the AMX path on (1) or off (0): on asks Linux for the tile state (arch_prctl) once.
  * Returns whether it is on: 0 where the build or the kernel has no AMX. */
 int tg_bf16_set_amx(int on) {
@@ -577,4 +649,4 @@ int tg_bf16_set_amx(int on) {
 }
 
 /* Lets the loader check that the library it opened is the one it built. */
-int tg_bf16_kernel_abi(void) { return 2; }
+int tg_bf16_kernel_abi(void) { return 3; }

@@ -16,6 +16,8 @@
  * relative error ~1e-7 on the range used), written with GCC vector extensions like gemv.c,
  * so it runs VL lanes at a time on whatever `-march=native` offers, without libm.
  */
+#ifndef TG_ROWS_C /* included by gemv_bf16.c, decode*.c and attn_bf16.c as well */
+#define TG_ROWS_C
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -470,3 +472,5 @@ void tg_rope_bf16(uint16_t *x, long ld, long T, long heads, long hd, const uint1
 }
 
 int tg_rows_lanes(void) { return VL; }
+
+#endif /* TG_ROWS_C */

@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("gemv_bf16.c")
-ABI = 2  # tg_bf16_kernel_abi() of the source this module expects
+ABI = 3  # tg_bf16_kernel_abi() of the source this module expects
 
 
 class AmxPath:
@@ -93,6 +93,10 @@ class Bf16Kernel(AmxPath):
         fn.argtypes = [c_void_p, c_long, c_void_p, c_void_p, c_long, c_long, c_long, c_long]
         fn.argtypes.append(ctypes.c_int)
         self._fn = fn
+        silu = lib.tg_bf16_linear_silu
+        silu.restype = ctypes.c_int
+        silu.argtypes = fn.argtypes  # x, ldx, panels, y, ldy, M, I, K, threads
+        self._silu = silu
         self._pack = lib.tg_bf16_pack
         self._pack.restype = None
         self._pack.argtypes = [c_void_p, c_void_p, c_long, c_long]
@@ -129,6 +133,29 @@ class Bf16Kernel(AmxPath):
         rc = self._fn(x.data_ptr(), x.stride(0), w.panels.data_ptr(), y.data_ptr(), n, m, n, k, nt)
         if rc != 0:  # pragma: no cover - -2: out of memory for x's paired copy
             raise MemoryError(f"bf16 kernel failed ({rc}) on x {tuple(x.shape)}, N={n}")
+        return y
+
+    def linear_silu(self, x: Tensor, w13: PanelWeight, threads: int | None = None) -> Tensor | None:
+        """silu(gate) * up [M, I] of the w13 panels ([2I, K]: gate rows, then up rows), the
+        same bits as `linear` and then rows.c's bf16 silu_mul, in one call whose [M, 2I]
+        product never goes to memory; None where that fused path does not run (up to 32 rows,
+        off AMX, I not whole panels: make the two calls)."""
+        m, k = x.shape
+        if k != w13.in_features or x.stride(1) != 1 or x.dtype != torch.bfloat16:
+            raise ValueError(
+                f"bf16 kernel needs bf16 x [M, {w13.in_features}] with unit inner stride: "
+                f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}"
+            )
+        i = w13.out_features // 2
+        y = torch.empty(m, i, dtype=torch.bfloat16)
+        nt = torch.get_num_threads() if threads is None else threads
+        rc = self._silu(
+            x.data_ptr(), x.stride(0), w13.panels.data_ptr(), y.data_ptr(), i, m, i, k, nt
+        )
+        if rc == -4:
+            return None
+        if rc != 0:  # pragma: no cover - -2: out of memory
+            raise MemoryError(f"bf16 kernel failed ({rc}) on x {tuple(x.shape)}, I={i}")
         return y
 
 
