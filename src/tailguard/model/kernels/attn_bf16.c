@@ -230,7 +230,9 @@ int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *
                             kp + (n + P - 1) / P * (hd / 2) * 2 * P);
                 }
             /* (implicit barrier: every K and V^T packed) */
-#pragma omp for schedule(dynamic, 1)
+/* guided: a causal block's cost grows with its position; one block at a time (dynamic, 1)
+ * measured 4-6% slower on 2 x 512 tokens (session 32) */
+#pragma omp for schedule(guided)
             for (long b = 0; b < nblocks; b++) {
                 long g = b % nkv, blk = b / nkv, s = 0;
                 while (boff[s + 1] <= blk) s++;
