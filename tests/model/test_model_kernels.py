@@ -490,20 +490,28 @@ def test_decode_stack_self_check_catches_a_wrong_stack() -> None:
 
 
 def test_a_library_is_rebuilt_when_a_file_it_includes_changes(tmp_path: Path) -> None:
-    """decode.c includes gemv.c and rows.c: the cache key covers them, so editing an included
-    file builds a new library instead of loading the stale one."""
+    """decode_bf16.c includes gemv_bf16.c, which includes gemv_amx.c and rows.c: the cache key
+    covers every file included at any depth (each once), so editing one builds a new library
+    instead of loading the stale one."""
     from tailguard.model.kernels.build import build_library, default_compiler
 
-    (tmp_path / "part.c").write_text("int tg_part(void) { return 1; }\n")
+    def build() -> Path:
+        return build_library(tmp_path / "whole.c", default_compiler(), tmp_path / "cache")
+
+    (tmp_path / "deep.c").write_text("int tg_deep(void) { return 0; }\n")
+    (tmp_path / "part.c").write_text('#include "deep.c"\nint tg_part(void) { return 1; }\n')
     (tmp_path / "whole.c").write_text('#include "part.c"\nint tg_whole(void) { return 2; }\n')
     try:
-        first = build_library(tmp_path / "whole.c", default_compiler(), tmp_path / "cache")
+        first = build()
     except (OSError, RuntimeError) as exc:
         pytest.skip(f"no working C compiler here: {exc}")
-    assert build_library(tmp_path / "whole.c", default_compiler(), tmp_path / "cache") == first
-    (tmp_path / "part.c").write_text("int tg_part(void) { return 3; }\n")
-    second = build_library(tmp_path / "whole.c", default_compiler(), tmp_path / "cache")
+    assert build() == first
+    (tmp_path / "part.c").write_text('#include "deep.c"\nint tg_part(void) { return 3; }\n')
+    second = build()
     assert second != first and second.exists()
+    (tmp_path / "deep.c").write_text("int tg_deep(void) { return 4; }\n")
+    third = build()  # a file two levels down (whole.c does not name it)
+    assert third not in (first, second) and third.exists()
 
 
 def test_bf16_elementwise_kernels_round_where_torch_rounds() -> None:

@@ -57,10 +57,7 @@ def _cpu_flags() -> str:
 def build_library(source_path: Path, compiler: str, cache_dir: Path) -> Path:
     """Compile (or find) the library of one of this folder's C files; raises OSError /
     CalledProcessError / RuntimeError."""
-    source = source_path.read_bytes()
-    # a source may include its neighbours (decode.c includes gemv.c and rows.c): they key it too
-    for name in re.findall(rb'#include "([^"]+)"', source):
-        source += b"\0" + (source_path.parent / name.decode()).read_bytes()
+    source = _with_includes(source_path)
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
     ).stdout
@@ -91,6 +88,21 @@ def build_library(source_path: Path, compiler: str, cache_dir: Path) -> Path:
             os.unlink(tmp)
     log.info("tailguard: built %s", path)
     return path
+
+
+def _with_includes(source_path: Path) -> bytes:
+    """The source and every neighbour it includes, at any depth, each once (decode_bf16.c
+    includes gemv_bf16.c, which includes gemv_amx.c and rows.c): all of them key the build."""
+    seen: list[Path] = []
+    todo = [source_path]
+    while todo:
+        path = todo.pop(0)
+        if path in seen:
+            continue
+        seen.append(path)
+        for name in re.findall(rb'#include "([^"]+)"', path.read_bytes()):
+            todo.append(source_path.parent / name.decode())
+    return b"\0".join(p.read_bytes() for p in seen)
 
 
 class Loader(Generic[K]):

@@ -1,0 +1,316 @@
+/* The AMX tile path of gemv_bf16.c (included by it, inside its `#if TG_AMX`): the same
+ * panels as AMX's B operand. Up to 16 rows one in-place A tile meets two panels at a time
+ * (amx_small); 17-32 rows two in-place A tiles meet one panel over the whole of K
+ * (amx_medium); above, x is copied into zero-padded blocks of 32 rows, each panel a 2 x 2
+ * grid of C tiles over k-chunks kept in L1 across a group of blocks (amx_blocked, with the
+ * fused silu(gate) * up store of tg_bf16_linear_silu). Where this machine's tiles stand:
+ * bench/amx_probe.py, docs/engine.md "CPU bf16 with AMX". */
+static int g_amx = 0; /* tg_bf16_set_amx */
+
+#ifndef AMX_KC
+#define AMX_KC 256 /* k per chunk of a panel kept in L1 (16 KiB) across a group of blocks */
+#endif
+#ifndef AMX_L2_X_BYTES
+#define AMX_L2_X_BYTES (1024 * 1024)
+#endif
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Tiles: 0-3 C (row block r, column half c at 2r + c; up to 16 rows: two panels x two
+ * halves), 4-5 A (row blocks; up to 16 rows 5 is a third B), 6-7 B (halves). */
+static void amx_configure(int rows) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = t >= 5 ? 16 : (uint8_t)rows;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* 17 to 32 rows read in place (amx_medium): C tiles 0-1 and A tile 4 the first 16 rows, C
+ * 2-3 and A 5 the other `rows2`, B 6-7. */
+static void amx_configure_split(int rows2) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = t == 2 || t == 3 || t == 5 ? (uint8_t)rows2 : 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* c[rows][P] fp32 (ldc floats) rounded into y rows (nvalid columns). */
+static void amx_store(const float *c, long ldc, int rows, uint16_t *y, long ldy, long nvalid) {
+    for (int m = 0; m < rows; m++) {
+        store16(y + m * ldy, _mm512_loadu_ps(c + m * ldc), nvalid);
+        store16(y + m * ldy + 16, _mm512_loadu_ps(c + m * ldc + 16), nvalid - 16);
+    }
+}
+
+/* c[rows][P] (ldc floats) = a[rows][K] (lda apart) x one panel of kp_n = K / 2 pairs, fp32;
+ * K a multiple of 32, rows as amx_configure set them (amx_small's odd panel, attn_bf16.c). */
+static void amx_panel_out32(const uint16_t *a, long lda, const uint16_t *w, long kp_n,
+                              float *c, long ldc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (long kp = 0; kp < kp_n; kp += AMX_K / 2, w += AMX_K * P, a += AMX_K) {
+        _tile_loadd(4, a, lda * 2);
+        _tile_loadd(6, w, 2 * P * 2);
+        _tile_loadd(7, w + P, 2 * P * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, c, ldc * 4);
+    _tile_stored(1, c + 16, ldc * 4);
+}
+
+#ifndef AMX_PF_STEPS
+#define AMX_PF_STEPS 3 /* up to 16 rows: k-steps ahead whose weights are prefetched into L1 */
+#endif
+
+/* One k-step of a panel (16 pairs x 32 columns: 2 KiB) into L1. */
+static inline void amx_prefetch_step(const uint16_t *w) {
+    const char *c = (const char *)w;
+    for (int i = 0; i < AMX_K * P * 2; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+/* Up to 16 rows: each of this thread's panels against x read in place (ldx apart), two
+ * panels at a time where it can (two weight streams in flight, four C tiles). The weights of
+ * the k-step AMX_PF_STEPS ahead (past a pair's end: the next pair's first) are prefetched
+ * into L1: the decode stack of the 246M model at 8 rows 16.0-17.2 -> 14.8-16.2 ms, weights
+ * warm or flushed from the caches (a C harness; session 31's prefetch of one line a step into
+ * L2 had measured no gain). */
+static void amx_small(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
+                      long M, long N, long K, long b, long e) {
+    long kp_n = K / 2, pstride = kp_n * 2 * P;
+    float c[AMX_M * P] __attribute__((aligned(64)));
+    amx_configure((int)M);
+    long p = b;
+    for (; p + 1 < e; p += 2) {
+        const uint16_t *w = wp + p * pstride, *v = w + pstride;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (long k = 0; k < K; k += AMX_K, w += AMX_K * P, v += AMX_K * P) {
+            long ka = k + AMX_PF_STEPS * AMX_K;
+            if (ka < K) {
+                amx_prefetch_step(w + AMX_PF_STEPS * AMX_K * P);
+                amx_prefetch_step(v + AMX_PF_STEPS * AMX_K * P);
+            } else if (p + 3 < e) {
+                amx_prefetch_step(wp + (p + 2) * pstride + (ka - K) * P);
+                amx_prefetch_step(wp + (p + 3) * pstride + (ka - K) * P);
+            }
+            _tile_loadd(4, x + k, ldx * 2);
+            _tile_loadd(5, w, 2 * P * 2);
+            _tile_loadd(6, w + P, 2 * P * 2);
+            _tile_loadd(7, v, 2 * P * 2);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, v + P, 2 * P * 2);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, c, P * 4);
+        _tile_stored(1, c + 16, P * 4);
+        long n0 = p * P;
+        amx_store(c, P, (int)M, y + n0, ldy, N - n0 < P ? N - n0 : P);
+        _tile_stored(2, c, P * 4);
+        _tile_stored(3, c + 16, P * 4);
+        long n1 = (p + 1) * P;
+        amx_store(c, P, (int)M, y + n1, ldy, N - n1 < P ? N - n1 : P);
+    }
+    if (p < e) { /* an odd last panel */
+        amx_panel_out32(x, ldx, wp + p * pstride, kp_n, c, P);
+        long n0 = p * P;
+        amx_store(c, P, (int)M, y + n0, ldy, N - n0 < P ? N - n0 : P);
+    }
+    _tile_release();
+}
+
+/* 17 to 32 rows (a decode step of up to 32 sequences): x read in place as two A tiles, each of
+ * this thread's panels over the whole of K with its 2 x 2 C tiles (no x copy, no k-chunks: x
+ * stays in L1/L2 for every panel, the weights stream once), the weights of the k-step
+ * AMX_PF_STEPS ahead prefetched into L1 as in amx_small. The same products in the same order
+ * as amx_blocked, so the same bits. */
+static void amx_medium(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
+                       long M, long N, long K, long b, long e) {
+    long pstride = K / 2 * 2 * P;
+    const uint16_t *x2 = x + AMX_M * ldx;
+    float c[AMX_XB * P] __attribute__((aligned(64)));
+    amx_configure_split((int)(M - AMX_M));
+    for (long p = b; p < e; p++) {
+        const uint16_t *w = wp + p * pstride;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (long k = 0; k < K; k += AMX_K, w += AMX_K * P) {
+            long ka = k + AMX_PF_STEPS * AMX_K;
+            if (ka < K)
+                amx_prefetch_step(w + AMX_PF_STEPS * AMX_K * P);
+            else if (p + 1 < e)
+                amx_prefetch_step(wp + (p + 1) * pstride + (ka - K) * P);
+            _tile_loadd(6, w, 2 * P * 2);
+            _tile_loadd(7, w + P, 2 * P * 2);
+            _tile_loadd(4, x + k, ldx * 2);
+            _tile_loadd(5, x2 + k, ldx * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c, P * 4);
+        _tile_stored(1, c + 16, P * 4);
+        _tile_stored(2, c + AMX_M * P, P * 4);
+        _tile_stored(3, c + AMX_M * P + 16, P * 4);
+        long n0 = p * P;
+        amx_store(c, P, (int)M, y + n0, ldy, N - n0 < P ? N - n0 : P);
+    }
+    _tile_release();
+}
+
+/* The fused silu(gate) * up store of amx_blocked: y rows = silu(gate) * up of fp32 sums g and
+ * u [rows][P] (ldc floats), with the unfused path's roundings (w13's output rounded to bf16 by
+ * store16's conversion, then rows.c's silu_row_bf16), so the same bits. */
+static void amx_store_silu(const float *g, const float *u, long ldc, int rows, uint16_t *y,
+                           long ldy) {
+    for (int m = 0; m < rows; m++)
+        for (int h = 0; h < P; h += 16) {
+            __m512i gb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+                _mm512_loadu_ps(g + m * ldc + h)));
+            __m512i ub = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+                _mm512_loadu_ps(u + m * ldc + h)));
+            vf gv = (vf)_mm512_slli_epi32(gb, 16), uv = (vf)_mm512_slli_epi32(ub, 16);
+            store_bf16(y + m * ldy + h, rne(silu(gv)) * uv);
+        }
+}
+
+/* Above 32 rows: xb holds x in zero-padded blocks of 32 rows, each k-step's two A tiles side
+ * by side ([blocks][K/32][32 rows][32]: one 2 KB stream per block, as the panel is one for B);
+ * each panel against a group of blocks that fits in L2 while the panel stays in L1/L2. */
+static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, long ldy, long M,
+                        long N, long K, long b, long e, long silu_i, int *failed) {
+    long kp_n = K / 2, pstride = kp_n * 2 * P, blocks = (M + AMX_XB - 1) / AMX_XB;
+    long group = AMX_L2_X_BYTES / (AMX_XB * K * 2);
+    if (group < 1) group = 1;
+    if (group > blocks) group = blocks;
+    float c[AMX_XB * P] __attribute__((aligned(64)));
+    /* k in chunks of AMX_KC: a chunk of the panel stays in L1 for every block of the group,
+     * the blocks' sums wait in acc between chunks */
+    long kc = K < AMX_KC ? K : AMX_KC;
+    float *acc = kc < K ? aligned_alloc(64, (size_t)group * AMX_XB * P * 4) : NULL;
+    /* silu_i > 0 (tg_bf16_linear_silu): output panel q is silu(gate panel q) * up panel
+     * q + silu_i / P; the group's gate sums wait in gates */
+    float *gates = silu_i ? aligned_alloc(64, (size_t)group * AMX_XB * P * 4) : NULL;
+    if (silu_i && !gates) {
+#pragma omp atomic write
+        *failed = 1;
+        free(acc);
+        return;
+    }
+    if (!acc) kc = K;
+    amx_configure(AMX_M);
+    long half = silu_i / P, passes = silu_i ? 2 : 1;
+    for (long g0 = 0; g0 < blocks; g0 += group) {
+        long g1 = g0 + group < blocks ? g0 + group : blocks;
+        for (long q = b * passes; q < e * passes; q++) {
+            long p = passes == 2 ? q / 2 + (q % 2) * half : q; /* gate, up, gate, up, ... */
+            long next = passes == 2 ? (q + 1) / 2 + ((q + 1) % 2) * half : q + 1;
+            const uint16_t *w = wp + p * pstride;
+            long n0 = (passes == 2 ? q / 2 : p) * P, nvalid = N - n0 < P ? N - n0 : P;
+            /* the next panel into L2 while this one computes, spread over its k-steps: a
+             * panel's first pass would otherwise wait on memory at every line */
+            const char *pf = (const char *)(wp + next * pstride);
+            const char *pf_end = pf + (q + 1 < e * passes ? pstride * 2 : 0);
+            long steps = (g1 - g0) * (K / AMX_K), per = (pstride * 2 / 64 + steps - 1) / steps;
+            for (long k0 = 0; k0 < K; k0 += kc) {
+                long k1 = k0 + kc < K ? k0 + kc : K;
+                for (long blk = g0; blk < g1; blk++) {
+                    const uint16_t *xk = xb + blk * AMX_XB * K + k0 * AMX_XB;
+                    const uint16_t *wk = w + k0 * P;
+                    float *a = acc ? acc + (blk - g0) * AMX_XB * P : c;
+                    if (k0 == 0) {
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                    } else {
+                        _tile_loadd(0, a, P * 4);
+                        _tile_loadd(1, a + 16, P * 4);
+                        _tile_loadd(2, a + AMX_M * P, P * 4);
+                        _tile_loadd(3, a + AMX_M * P + 16, P * 4);
+                    }
+                    for (long k = k0; k < k1; k += AMX_K, xk += AMX_XB * AMX_K, wk += AMX_K * P) {
+                        for (long i = 0; i < per && pf < pf_end; i++, pf += 64)
+                            __builtin_prefetch(pf, 0, 2);
+                        _tile_loadd(6, wk, 2 * P * 2);
+                        _tile_loadd(7, wk + P, 2 * P * 2);
+                        _tile_loadd(4, xk, AMX_K * 2);
+                        _tile_loadd(5, xk + AMX_M * AMX_K, AMX_K * 2);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                    float *gate = passes == 2 ? gates + (blk - g0) * AMX_XB * P : NULL;
+                    float *dst = k1 < K ? a : passes == 2 && q % 2 == 0 ? gate : c;
+                    _tile_stored(0, dst, P * 4);
+                    _tile_stored(1, dst + 16, P * 4);
+                    _tile_stored(2, dst + AMX_M * P, P * 4);
+                    _tile_stored(3, dst + AMX_M * P + 16, P * 4);
+                    if (k1 == K && dst == c) {
+                        long m0 = blk * AMX_XB, rows = M - m0 < AMX_XB ? M - m0 : AMX_XB;
+                        if (passes == 2)
+                            amx_store_silu(gate, c, P, (int)rows, y + m0 * ldy + n0, ldy);
+                        else
+                            amx_store(c, P, (int)rows, y + m0 * ldy + n0, ldy, nvalid);
+                    }
+                }
+            }
+        }
+    }
+    _tile_release();
+    free(acc);
+    free(gates);
+}
+
+static int amx_applies(long K, long ldx) { return g_amx && K % AMX_K == 0 && ldx >= K; }
+
+/* Inside a parallel region: x into xb's zero-padded blocks of 32 rows (amx_copy_bytes), the
+ * rows split over the threads; returns after the barrier (x copied before any panel runs). */
+static void amx_copy_blocks(const uint16_t *x, long ldx, long M, long K, uint16_t *xb) {
+    long padded = (M + AMX_XB - 1) / AMX_XB * AMX_XB;
+#pragma omp for schedule(static)
+    for (long m = 0; m < padded; m++) {
+        uint16_t *dst = xb + (m / AMX_XB) * AMX_XB * K + (m % AMX_XB) * AMX_K;
+        for (long k = 0; k < K; k += AMX_K, dst += AMX_XB * AMX_K) {
+            if (m < M)
+                memcpy(dst, x + m * ldx + k, AMX_K * 2);
+            else
+                memset(dst, 0, AMX_K * 2);
+        }
+    }
+}
+
+/* Inside a parallel region, every thread: y = x @ W^T on AMX tiles. xt: amx_copy_bytes. */
+static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
+                          long ldy, long M, long N, long K, uint32_t *xt) {
+    long panels = (N + P - 1) / P, b, e;
+    my_panels(panels, &b, &e);
+    if (M <= AMX_XB) {
+        if (b < e && M <= AMX_M) amx_small(x, ldx, wp, y, ldy, M, N, K, b, e);
+        else if (b < e) amx_medium(x, ldx, wp, y, ldy, M, N, K, b, e);
+        return;
+    }
+    amx_copy_blocks(x, ldx, M, K, (uint16_t *)xt);
+    int failed = 0; /* (no gate buffer without silu) */
+    if (b < e) amx_blocked((uint16_t *)xt, wp, y, ldy, M, N, K, b, e, 0, &failed);
+}
