@@ -20,30 +20,30 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-/* Tiles: 0-3 C (row block r, column half c at 2r + c; up to 16 rows: two panels x two
- * halves), 4-5 A (row blocks; up to 16 rows 5 is a third B), 6-7 B (halves). */
-static void amx_configure(int rows) {
+/* Every tile 64 bytes wide, tile t `rows[t]` rows high. */
+static void amx_load_tiles(const uint8_t rows[8]) {
     struct tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
         cfg.colsb[t] = 64;
-        cfg.rows[t] = t >= 5 ? 16 : (uint8_t)rows;
+        cfg.rows[t] = rows[t];
     }
     _tile_loadconfig(&cfg);
+}
+
+/* Tiles: 0-3 C (row block r, column half c at 2r + c; up to 16 rows: two panels x two
+ * halves), 4-5 A (row blocks; up to 16 rows 5 is a third B), 6-7 B (halves). */
+static void amx_configure(int rows) {
+    uint8_t r = (uint8_t)rows;
+    amx_load_tiles((const uint8_t[8]){r, r, r, r, r, 16, 16, 16});
 }
 
 /* 17 to 32 rows read in place (amx_medium): C tiles 0-1 and A tile 4 the first 16 rows, C
  * 2-3 and A 5 the other `rows2`, B 6-7. */
 static void amx_configure_split(int rows2) {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = t == 2 || t == 3 || t == 5 ? (uint8_t)rows2 : 16;
-    }
-    _tile_loadconfig(&cfg);
+    uint8_t r = (uint8_t)rows2;
+    amx_load_tiles((const uint8_t[8]){16, 16, r, r, 16, r, 16, 16});
 }
 
 /* c[rows][P] fp32 (ldc floats) rounded into y rows (nvalid columns). */
