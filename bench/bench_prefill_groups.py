@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-import tailguard.engine.runner as runner_mod
+import tailguard.engine.plan as plan_mod
 from tailguard.core.request import EngineRequest, SamplingParams
 from tailguard.core.scheduler import ScheduledSeq
 from tailguard.engine.config import EngineConfig
 from tailguard.engine.core import EngineCore
 from tailguard.model.embedded import default_model_dir
 
-BY_BUCKET = runner_mod._by_query_bucket
+BY_BUCKET = plan_mod._by_query_bucket
 
 
 def one_prefill_group(items: list[ScheduledSeq]) -> list[list[int]]:
@@ -74,7 +74,7 @@ def main() -> None:
     times: dict[str, list[tuple[float, float]]] = {"by bucket": [], "one group": []}
     order = ["by bucket", "one group", "one group", "by bucket"] * args.rounds
     for n, variant in enumerate(order):
-        runner_mod._by_query_bucket = BY_BUCKET if variant == "by bucket" else one_prefill_group
+        plan_mod._by_query_bucket = BY_BUCKET if variant == "by bucket" else one_prefill_group
         reqs = [
             EngineRequest(
                 request_id=f"{n}-{i}",
@@ -88,7 +88,7 @@ def main() -> None:
         assert tokens[variant] == got
         times[variant].append((total, prefill))
         print(f"  {variant:9s}: {total * 1e3:8.1f} ms, prefill steps {prefill * 1e3:8.1f} ms")
-    runner_mod._by_query_bucket = BY_BUCKET
+    plan_mod._by_query_bucket = BY_BUCKET
     same = tokens["by bucket"] == tokens["one group"]
     med = {v: statistics.median(t for t, _ in ts) for v, ts in times.items()}
     pre = {v: statistics.median(p for _, p in ts) for v, ts in times.items()}

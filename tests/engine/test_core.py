@@ -217,18 +217,18 @@ def test_an_escaped_attention_shape_fails_the_no_new_shape_check(
 ) -> None:
     """Serve with block tables left unpadded (as if a dimension escaped its bucket): the
     check that the 2,000-request test relies on must fail, naming the shape."""
-    import tailguard.engine.runner as runner_mod
+    import tailguard.engine.plan as plan_mod
 
     core = EngineCore(tiny_engine_config(tiny_model_dir), tiny_model_dir)
     core.warmup()
     warm = core.stats().distinct_shapes
-    padded = runner_mod.group_shape
+    padded = plan_mod.group_shape
 
     def unpadded_blocks(n: int, q: int, blocks: int, *ladders: tuple[int, ...]) -> tuple:
         key = padded(n, q, blocks, *ladders)
         return (*key[:3], blocks)
 
-    monkeypatch.setattr(runner_mod, "group_shape", unpadded_blocks)
+    monkeypatch.setattr(plan_mod, "group_shape", unpadded_blocks)  # the steps' layout
     core.add(gen("x", list(range(3, 73)), max_tokens=2))  # 70 + 2 tokens: 5 blocks, not 4 or 6
     drain(core)
     assert core.runner.shapes.after_warmup == {("attn", 1, 128, 5), ("attn", 1, 1, 5)}
