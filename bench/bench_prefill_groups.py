@@ -1,4 +1,4 @@
-"""Prefill chunks grouped by query bucket (the runner's `_by_query_bucket`) against one group
+"""Prefill chunks grouped by query bucket (engine/plan.py's `_by_query_bucket`) against one group
 for every prefill chunk (before session 23), side by side in one process, same requests.
 
     .venv/bin/python bench/bench_prefill_groups.py [--model DIR] [--requests 192] [--rounds 2]
