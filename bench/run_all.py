@@ -19,6 +19,7 @@ HERE = Path(__file__).parent
 BENCHES: dict[str, list[str]] = {
     "model": ["model_forward.py"],
     "engine": ["bench_engine.py"],
+    "amx": ["amx_probe.py"],  # AMX ceilings vs our linear; says so and exits 0 without AMX
     "vllm": ["bench_vllm.py", "--engine-threads", "2"],  # skips vLLM without /work/vllm-venv
     "app_path": ["bench_app_path.py"],
     "frontend": ["bench_frontend.py"],
