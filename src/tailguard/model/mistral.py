@@ -25,7 +25,7 @@ from tailguard.model.batch import AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
 from tailguard.model.kernels import DecodeStack, LinearKernel, RowKernel
 from tailguard.model.kernels.attn_bf16 import PrefillAttention
-from tailguard.model.kernels.decode import LayerRefs, StackDims
+from tailguard.model.kernels.decode import Bf16DecodeStack, LayerRefs, StackDims
 from tailguard.model.kernels.rows import MAX_BF16_HEAD_DIM, MAX_REP
 from tailguard.model.linear import KernelLinear, PackedLinear, can_prepack
 
@@ -431,7 +431,7 @@ class MistralModel(nn.Module):
         head = self._head_packed
         greedy = (
             _panels(head)
-            if stack.has_greedy_head
+            if isinstance(stack, Bf16DecodeStack)  # the greedy tail is decode_bf16.c's
             and isinstance(head, KernelLinear)
             and head.kernel.dtype == stack.dtype
             and head.kernel.width == stack.width

@@ -63,16 +63,6 @@ static long packed_kv(long n, long hd) {
 
 #if TG_BF16
 
-/* e (finite, >= 0, no subnormals: vexp_neg's range) rounded to bf16, to nearest even: one
- * vcvtneps2bf16 where the lanes are AVX-512's 16, else rows.c's rne (the same bits here). */
-static inline vh round_bf16(vf e) {
-#if VL == 16
-    return (vh)_mm512_cvtneps_pbh((__m512)e);
-#else
-    return __builtin_convertvector((vu)rne(e) >> 16, vh);
-#endif
-}
-
 /* max of s[lo..hi] (a scalar loop was half of the whole kernel's time: one vmaxss chain). */
 static float span_max(const float *s, long lo, long hi) {
     __m512 m = _mm512_set1_ps(-INFINITY);
@@ -133,9 +123,10 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long n, long 
                 vi keep = (idx >= (vi){} + (int)lo) & (idx <= (vi){} + (int)tq);
                 e = (vf)((vi)e & keep);
             }
-            vh h = round_bf16(e);
-            totals += (vf)(__builtin_convertvector(h, vu) << 16);
-            *(vhu *)(pr + j) = h;
+            /* P to bf16 in one vcvtneps2bf16: the same bits as rows.c's rne on e's range
+             * (finite, >= 0, no subnormals) */
+            *(vhu *)(pr + j) = (vh)_mm512_cvtneps_pbh((__m512)e);
+            totals += load_bf16(pr + j);
         }
         total = vsum(totals);
         for (; j < ppad; j++) {

@@ -106,8 +106,6 @@ class DecodeStack:
         stack gives the op-by-op path's bits). Returns whether AMX is now on."""
         return False
 
-    has_greedy_head = False  # greedy_head: bf16 only (decode_bf16.c)
-
     def greedy_head(
         self, x: Tensor, rows: Tensor, norm_w: Tensor, eps: float, head: Tensor, vocab: int,
         threads: int,
@@ -173,8 +171,6 @@ class Bf16DecodeStack(AmxPath, DecodeStack):
         "tg_bf16_pack",
         "tg_bf16_panel_width",
     )
-
-    has_greedy_head = True
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         super().__init__(lib, path)

@@ -168,8 +168,9 @@ long tg_greedy_scratch_bf16(long nrows, long H, long V, int nthreads) {
  * of [V, H] from tg_bf16_pack) and the id of the first maximal logit (a NaN wins, as
  * torch.argmax) into ids[i]. The op-by-op tail's roundings: rms_row_bf16 as the norm, the
  * head on linear_in_region as the bf16 kernel, bf16 logits widened to fp32 for row_argmax.
- * Why: that tail was five Python calls and a [rows, V] fp32 copy, ~1 ms of a 246M model's
- * 22-ms batch-8 step (docs/benchmarks.md, issue 12, session 32).
+ * Why: that tail was five Python calls and a [rows, V] fp32 copy; with this call a 246M
+ * model's batch-8 step went 22.1-23.3 -> 20.0-20.6 ms (docs/benchmarks.md, issue 12,
+ * session 32).
  * scratch: tg_greedy_scratch_bf16 bytes, 64-byte aligned. Returns 0, -1 on bad arguments,
  * -3 without AVX512-BF16. */
 int tg_greedy_head_bf16(const bf16_t *x, long T, const long *rows, long nrows,

@@ -193,42 +193,40 @@ static void amx_store_silu(const float *g, const float *u, long ldc, int rows, u
         }
 }
 
+/* Blocks of 32 x rows per group in amx_blocked: as many as fit in AMX_L2_X_BYTES. */
+static long amx_group(long M, long K) {
+    long blocks = (M + AMX_XB - 1) / AMX_XB, group = AMX_L2_X_BYTES / (AMX_XB * K * 2);
+    return group < 1 ? 1 : group > blocks ? blocks : group;
+}
+
 /* Above 32 rows: xb holds x in zero-padded blocks of 32 rows, each k-step's two A tiles side
  * by side ([blocks][K/32][32 rows][32]: one 2 KB stream per block, as the panel is one for B);
- * each panel against a group of blocks that fits in L2 while the panel stays in L1/L2. */
+ * each panel against a group of blocks that fits in L2 while the panel stays in L1/L2.
+ * gates (tg_bf16_linear_silu; amx_group(M, K) x 32 x P floats, else NULL): wp holds 2N
+ * columns, gate panels then up panels, and output panel q is silu(gate q) * up q, the
+ * group's gate sums waiting in gates while its up panel runs. */
 static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, long ldy, long M,
-                        long N, long K, long b, long e, long silu_i, int *failed) {
+                        long N, long K, long b, long e, float *gates) {
     long kp_n = K / 2, pstride = kp_n * 2 * P, blocks = (M + AMX_XB - 1) / AMX_XB;
-    long group = AMX_L2_X_BYTES / (AMX_XB * K * 2);
-    if (group < 1) group = 1;
-    if (group > blocks) group = blocks;
+    long group = amx_group(M, K);
     float c[AMX_XB * P] __attribute__((aligned(64)));
     /* k in chunks of AMX_KC: a chunk of the panel stays in L1 for every block of the group,
      * the blocks' sums wait in acc between chunks */
     long kc = K < AMX_KC ? K : AMX_KC;
     float *acc = kc < K ? aligned_alloc(64, (size_t)group * AMX_XB * P * 4) : NULL;
-    /* silu_i > 0 (tg_bf16_linear_silu): output panel q is silu(gate panel q) * up panel
-     * q + silu_i / P; the group's gate sums wait in gates */
-    float *gates = silu_i ? aligned_alloc(64, (size_t)group * AMX_XB * P * 4) : NULL;
-    if (silu_i && !gates) {
-#pragma omp atomic write
-        *failed = 1;
-        free(acc);
-        return;
-    }
     if (!acc) kc = K;
     amx_configure(AMX_M);
-    long half = silu_i / P, passes = silu_i ? 2 : 1;
+    /* weight panel of step q: q itself, or with gates gate 0, up 0, gate 1, up 1, ... */
+    long passes = gates ? 2 : 1, half = (N + P - 1) / P;
+#define WEIGHT_PANEL(q) (passes == 2 ? (q) / 2 + ((q) % 2) * half : (q))
     for (long g0 = 0; g0 < blocks; g0 += group) {
         long g1 = g0 + group < blocks ? g0 + group : blocks;
         for (long q = b * passes; q < e * passes; q++) {
-            long p = passes == 2 ? q / 2 + (q % 2) * half : q; /* gate, up, gate, up, ... */
-            long next = passes == 2 ? (q + 1) / 2 + ((q + 1) % 2) * half : q + 1;
-            const uint16_t *w = wp + p * pstride;
-            long n0 = (passes == 2 ? q / 2 : p) * P, nvalid = N - n0 < P ? N - n0 : P;
+            const uint16_t *w = wp + WEIGHT_PANEL(q) * pstride;
+            long n0 = q / passes * P, nvalid = N - n0 < P ? N - n0 : P;
             /* the next panel into L2 while this one computes, spread over its k-steps: a
              * panel's first pass would otherwise wait on memory at every line */
-            const char *pf = (const char *)(wp + next * pstride);
+            const char *pf = (const char *)(wp + WEIGHT_PANEL(q + 1) * pstride);
             const char *pf_end = pf + (q + 1 < e * passes ? pstride * 2 : 0);
             long steps = (g1 - g0) * (K / AMX_K), per = (pstride * 2 / 64 + steps - 1) / steps;
             for (long k0 = 0; k0 < K; k0 += kc) {
@@ -260,15 +258,15 @@ static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, lon
                         _tile_dpbf16ps(2, 5, 6);
                         _tile_dpbf16ps(3, 5, 7);
                     }
-                    float *gate = passes == 2 ? gates + (blk - g0) * AMX_XB * P : NULL;
-                    float *dst = k1 < K ? a : passes == 2 && q % 2 == 0 ? gate : c;
+                    float *gate = gates ? gates + (blk - g0) * AMX_XB * P : NULL;
+                    float *dst = k1 < K ? a : gate && q % 2 == 0 ? gate : c;
                     _tile_stored(0, dst, P * 4);
                     _tile_stored(1, dst + 16, P * 4);
                     _tile_stored(2, dst + AMX_M * P, P * 4);
                     _tile_stored(3, dst + AMX_M * P + 16, P * 4);
                     if (k1 == K && dst == c) {
                         long m0 = blk * AMX_XB, rows = M - m0 < AMX_XB ? M - m0 : AMX_XB;
-                        if (passes == 2)
+                        if (gate)
                             amx_store_silu(gate, c, P, (int)rows, y + m0 * ldy + n0, ldy);
                         else
                             amx_store(c, P, (int)rows, y + m0 * ldy + n0, ldy, nvalid);
@@ -277,9 +275,9 @@ static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, lon
             }
         }
     }
+#undef WEIGHT_PANEL
     _tile_release();
     free(acc);
-    free(gates);
 }
 
 static int amx_applies(long K, long ldx) { return g_amx && K % AMX_K == 0 && ldx >= K; }
@@ -311,6 +309,5 @@ static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint1
         return;
     }
     amx_copy_blocks(x, ldx, M, K, (uint16_t *)xt);
-    int failed = 0; /* (no gate buffer without silu) */
-    if (b < e) amx_blocked((uint16_t *)xt, wp, y, ldy, M, N, K, b, e, 0, &failed);
+    if (b < e) amx_blocked((uint16_t *)xt, wp, y, ldy, M, N, K, b, e, NULL);
 }

@@ -306,19 +306,27 @@ int tg_bf16_linear_silu(const uint16_t *x, long ldx, const uint16_t *wp, uint16_
     if (M <= AMX_XB || I % P || !amx_applies(K, ldx)) return -4;
     long panels = I / P;
     if (nthreads > panels) nthreads = (int)panels;
-    long bytes = amx_copy_bytes(M, K);
-    uint32_t *xt = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
-    if (!xt) return -2;
-    int failed = 0;
+    /* x's blocks, then each thread's gate sums (amx_blocked) */
+    long x_bytes = (amx_copy_bytes(M, K) + 63) / 64 * 64;
+    long gate_floats = amx_group(M, K) * AMX_XB * P;
+    char *scratch = aligned_alloc(64, (size_t)x_bytes + (size_t)nthreads * gate_floats * 4);
+    if (!scratch) return -2;
 #pragma omp parallel num_threads(nthreads)
     {
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void);
+        long t = omp_get_thread_num();
+#else
+        long t = 0;
+#endif
         long b, e;
         my_panels(panels, &b, &e);
-        amx_copy_blocks(x, ldx, M, K, (uint16_t *)xt);
-        if (b < e) amx_blocked((uint16_t *)xt, wp, y, ldy, M, I, K, b, e, I, &failed);
+        amx_copy_blocks(x, ldx, M, K, (uint16_t *)scratch);
+        float *gates = (float *)(scratch + x_bytes) + t * gate_floats;
+        if (b < e) amx_blocked((uint16_t *)scratch, wp, y, ldy, M, I, K, b, e, gates);
     }
-    free(xt);
-    return failed ? -2 : 0;
+    free(scratch);
+    return 0;
 #else
     (void)x, (void)wp, (void)y;
     return -4;

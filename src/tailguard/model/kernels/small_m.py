@@ -67,6 +67,10 @@ class LinearKernel(Protocol):
 
     def linear(self, x: Tensor, w: PanelWeight, threads: int | None = None) -> Tensor: ...
 
+    def linear_silu(
+        self, x: Tensor, w13: PanelWeight, threads: int | None = None
+    ) -> Tensor | None: ...
+
 
 class SmallMKernel:
     """y = x @ w^T for fp32 x [M, K] (any M) and w packed once by `pack` from [N, K]."""
@@ -99,6 +103,10 @@ class SmallMKernel:
         panels = torch.empty(-(-n // self.width), k, self.width, dtype=torch.float32)
         self._pack(w.data_ptr(), panels.data_ptr(), n, k)
         return PanelWeight(panels, n, k)
+
+    def linear_silu(self, x: Tensor, w13: PanelWeight, threads: int | None = None) -> Tensor | None:
+        """No fused silu(gate) * up in fp32 (gemv.c): None, the caller makes the two calls."""
+        return None
 
     def linear(self, x: Tensor, w: PanelWeight, threads: int | None = None) -> Tensor:
         """[M, K] x [N, K]^T -> [M, N]. x may have a row stride (a view of wider rows): the
