@@ -177,6 +177,34 @@ def test_row_kernels_fall_back_with_one_line_and_are_checked(
     assert "sampling self-check failed" in (self_check(OffByOne()) or "")  # type: ignore[arg-type]
 
 
+def test_bf16_rounding_is_torchs_and_the_check_catches_a_flush(tmp_path: Path) -> None:
+    """Every bf16 kernel output rounds through rows.c's rne/store_bf16, which take the
+    hardware conversion (vcvtneps2bf16) where the CPU has one: torch's bits on ties, denormals,
+    infinities and NaN, and a build that trusts the hardware for denormals and NaN too fails
+    the self-check (so the engine would fall back to torch, not serve other bits)."""
+    from tailguard.model.kernels.build import Loader
+    from tailguard.model.kernels.rows import ABI, SOURCE, RowKernel, rounding_cases
+
+    kernel = _row_kernel_or_skip()
+    x = rounding_cases()
+    got, want = kernel.to_bf16(x), x.bfloat16()
+    finite = ~x.isnan()
+    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
+    assert got[~finite].isnan().all() and (got[~finite].view(torch.int16) == 0x7FC0).all()
+    assert torch.equal(kernel.to_bf16(x[:5]).view(torch.int16), want[:5].view(torch.int16))
+    if " avx512_bf16" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("no vcvtneps2bf16 on this CPU: the integer path is the only one")
+    flushing = tmp_path / "rows.c"  # the hardware's own rounding for every vector
+    src = SOURCE.read_text()
+    trusting = src.replace("return _mm512_fpclass_ps_mask((__m512)v, 0xA1) == 0;", "return 1;")
+    assert trusting != src
+    flushing.write_text(trusting)
+    bad = Loader(flushing, "tg_rows_abi", ABI, RowKernel, lambda k: None, what="t", fallback="t")
+    built = bad.load(None, tmp_path / "cache")
+    assert built is not None
+    assert "bf16 rounding self-check failed" in (self_check(built) or "")
+
+
 def _logits(model: MistralModel, prompts: list[list[int]]) -> torch.Tensor:
     cache = PagedCache(model.config, num_blocks=80, block_size=4)
     _, logits, _ = cache.run(model, [[(i, p) for i, p in enumerate(prompts)]])

@@ -166,11 +166,27 @@ typedef uint16_t vhu __attribute__((vector_size(VBYTES / 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(VBYTES)));
 
 static inline vf load_bf16(const uint16_t *p) {
+#if VBYTES == 64 /* one vpmovzxwd (the generic conversion went through 128-bit halves) */
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#else
     return (vf)(__builtin_convertvector(*(const vhu *)p, vu) << 16);
+#endif
 }
+
+#if VBYTES == 64 && defined(__AVX512BF16__)
+/* Where the hardware rounds as c10 does: vcvtneps2bf16 rounds to nearest even, but flushes
+ * denormal inputs to zero and keeps a NaN's sign and payload, so a vector holding either takes
+ * the integer path below. */
+#define HW_RNE 1
+static inline int hw_rne_ok(vf v) { return _mm512_fpclass_ps_mask((__m512)v, 0xA1) == 0; }
+#endif
 
 /* fp32 rounded to the nearest bf16, as an fp32 (its low half zero); NaN -> the quiet NaN. */
 static inline vf rne(vf v) {
+#ifdef HW_RNE
+    if (__builtin_expect(hw_rne_ok(v), 1))
+        return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)v)), 16);
+#endif
     vu b = (vu)v;
     vu r = ((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16) << 16;
     vi nan = v != v;
@@ -178,7 +194,17 @@ static inline vf rne(vf v) {
 }
 
 static inline void store_bf16(uint16_t *p, vf v) {
+#ifdef HW_RNE
+    if (__builtin_expect(hw_rne_ok(v), 1)) {
+        _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)v));
+        return;
+    }
+#endif
+#if VBYTES == 64
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32((__m512i)rne(v), 16)));
+#else
     *(vhu *)p = __builtin_convertvector((vu)rne(v) >> 16, vh);
+#endif
 }
 
 /* VL elements at p + i as fp32: the element type is a constant at every call site. */
@@ -358,7 +384,7 @@ int tg_decode_attention_bf16(const uint16_t *q, long q_ld, const long *q_rows, l
                             ctx_lens, max_ctx, bs, nh, nkv, hd, scale, window, out, out_ld,
                             nthreads, 1);
 }
-int tg_rows_abi(void) { return 6; }
+int tg_rows_abi(void) { return 7; }
 /* ---- fused elementwise ops of a forward (fp32, rows of a contiguous [T, ...] tensor) ---- */
 
 /* y = w * (x * rsqrt(mean(x^2) + eps)) over one row of H floats, H % VL == 0. */
@@ -469,6 +495,18 @@ void tg_rope_bf16(uint16_t *x, long ld, long T, long heads, long hd, const uint1
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 16)
     for (long t = 0; t < T; t++)
         rope_row_bf16(x + t * ld, heads, hd, cos_t + t * hd, sin_t + t * hd);
+}
+
+/* y[i] = x[i] rounded to bf16 as every bf16 kernel here rounds (rne, store_bf16): the self-check
+ * holds it to torch's conversion bit for bit, special values included. */
+void tg_round_bf16(const float *x, uint16_t *y, long n) {
+    long i = 0;
+    for (; i + VL <= n; i += VL) store_bf16(y + i, *(const vfu *)(x + i));
+    for (; i < n; i++) {
+        vf v = {};
+        v[0] = x[i];
+        y[i] = (uint16_t)(((vu)rne(v))[0] >> 16);
+    }
 }
 
 int tg_rows_lanes(void) { return VL; }

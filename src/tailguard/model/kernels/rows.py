@@ -22,7 +22,7 @@ from tailguard.model.kernels.build import Loader
 __all__ = ["RowKernel", "load_row_kernel", "self_check"]
 
 SOURCE = Path(__file__).with_name("rows.c")
-ABI = 6
+ABI = 7
 MAX_BF16_HEAD_DIM = 256  # rows.c HD_MAX: the bf16 decode attention's fp32 copy of the queries
 MAX_REP = 16  # rows.c REP_MAX: query heads per KV head the decode attention takes
 
@@ -76,7 +76,19 @@ class RowKernel:
         self._rope_bf16 = lib.tg_rope_bf16
         self._rope_bf16.restype = None
         self._rope_bf16.argtypes = [*self._rope.argtypes, c_int]
+        self._round = lib.tg_round_bf16
+        self._round.restype = None
+        self._round.argtypes = [c_void_p, c_void_p, c_long]
         self._lib = lib
+
+    def to_bf16(self, x: Tensor) -> Tensor:
+        """Contiguous fp32 rounded to bf16 as the kernels' bf16 outputs are (nearest even,
+        denormals kept: torch's rounding; NaN -> 0x7fc0 as c10's scalar conversion)."""
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"to_bf16 takes contiguous fp32: got {x.dtype}")
+        y = torch.empty(x.shape, dtype=torch.bfloat16)
+        self._round(x.data_ptr(), y.data_ptr(), x.numel())
+        return y
 
     # The elementwise ops take contiguous fp32 (one thread: a decode step's few rows) or bf16
     # (rounded where torch's bf16 ops round; rows split over `threads`: a bf16 prefill's
@@ -225,7 +237,37 @@ def self_check(kernel: RowKernel) -> str | None:
     got = kernel.sample(peaked, [0, 1], [1.0, 1.0], torch.tensor([0.3, 0.99], dtype=torch.float64))
     if got != [123, 299]:
         return f"sampling self-check failed on peaked rows: {got}"
+    special = rounding_cases()
+    ours, torchs = kernel.to_bf16(special), special.bfloat16()
+    # NaN stays NaN (torch's own paths disagree on its bits: 0x7fc0 scalar, 0xffff vectorized)
+    same = (ours.view(torch.int16) == torchs.view(torch.int16)) | (ours.isnan() & torchs.isnan())
+    if not same.all():
+        bad = int((~same).nonzero()[0].item())
+        return (
+            f"bf16 rounding self-check failed: {special[bad].item()!r} -> "
+            f"{int(ours.view(torch.int16)[bad].item()) & 0xFFFF:#06x}, torch "
+            f"{int(torchs.view(torch.int16)[bad].item()) & 0xFFFF:#06x}"
+        )
     return None
+
+
+def rounding_cases() -> Tensor:
+    """fp32 values whose bf16 rounding takes every path: ties to even both ways, just off
+    ties, denormals (the hardware conversion flushes them, the kernels must not), NaNs with a
+    sign and a payload (torch makes them 0x7fc0), infinities, zeros and the largest finite,
+    each in a vector of its own and among ordinary values."""
+    bits = [
+        0x3F808000, 0x3F818000, 0x3F808001, 0x3F817FFF, 0x00000001, 0x807FFFFF, 0x00400000,
+        0x7FC00001, 0xFFC12345, 0x7F800001, 0x7F800000, 0xFF800000, 0x00000000, 0x80000000,
+        0x7F7FFFFF, 0x7F7F8000, 0x33800000, 0x80008000,
+    ]  # fmt: skip
+    special = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    g = torch.Generator().manual_seed(1)
+    ordinary = torch.randn(64, generator=g) * 3
+    alone = [torch.cat((v.repeat(16), ordinary[:3])) for v in special]  # + a scalar tail
+    mixed = ordinary.clone()
+    mixed[5 : 5 + len(bits)] = special
+    return torch.cat((*alone, mixed, ordinary))
 
 
 _LOADER: Loader[RowKernel] = Loader(
