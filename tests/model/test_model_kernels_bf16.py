@@ -144,6 +144,31 @@ def test_fused_silu_gives_the_two_calls_bits(kernel: Bf16Kernel, amx: bool, thre
         assert torch.equal(got, want), (m, i, k)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_residual_add_gives_the_two_calls_bits(
+    kernel: Bf16Kernel, amx: bool, threads: int
+) -> None:
+    """linear_add: residual + the product, bit for bit `linear` and then torch's bf16 add, on
+    AMX above 32 rows (k-chunks and x groups: K 1,024 and 2,816 at 300 rows; an odd panel
+    count; a residual that is a strided view; the sum written over the residual itself); None
+    where it does not run (32 rows and fewer, N not whole panels, vdpbf16ps)."""
+    g = torch.Generator().manual_seed(9)
+    cases = ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (70, 64, 2816), (32, 64, 64))
+    for m, n, k in (*cases, (7, 64, 64), (40, 48, 64)):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        w = kernel.pack((torch.randn(n, k, generator=g) * 0.1).bfloat16())
+        wide = (torch.randn(m, n + 8, generator=g) * 4).bfloat16()
+        for res in (wide[:, :n].contiguous(), wide[:, 8:]):
+            got = kernel.linear_add(x, w, res, threads)
+            if not amx or m <= 32 or n % kernel.width:
+                assert got is None
+                continue
+            assert got is not None
+            assert torch.equal(got, res + kernel.linear(x, w, threads)), (m, n, k)
+    with pytest.raises(ValueError, match="residual must be bf16"):
+        kernel.linear_add(x, w, torch.zeros(m, n))
+
+
 def test_kernel_refuses_what_it_cannot_read(kernel: Bf16Kernel) -> None:
     wp = kernel.pack(torch.randn(8, 16).bfloat16())
     with pytest.raises(ValueError, match="bf16 x"):
@@ -583,6 +608,32 @@ def test_model_prefill_with_the_fused_silu_gives_the_same_bits(
     without, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
     assert torch.equal(with_fused, without)
     assert calls == [amx] * model.config.num_hidden_layers
+
+
+def test_model_prefill_with_the_fused_residual_adds_gives_the_same_bits(
+    kernel: Bf16Kernel, amx: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 model on the kernel: a 40-token prefill adds each layer's residual inside wo's
+    and w2's stores on AMX, with the same hidden states as the separate adds."""
+    folder = make_checkpoint(tmp_path / "ckpt", dataclasses.replace(TINY, head_dim=32))
+    model, _ = load_model(folder, dtype=torch.bfloat16)
+    assert model.use_row_kernel(load_row_kernel())
+    model.prepack(kernel=kernel)
+    step = [[(0, list(range(3, 43)))]]
+    calls: list[int] = []
+    fused = KernelLinear.linear_add
+
+    def counted(self: KernelLinear, x: torch.Tensor, res: torch.Tensor) -> torch.Tensor | None:
+        out = fused(self, x, res)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(KernelLinear, "linear_add", counted)
+    with_fused, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
+    monkeypatch.setattr(KernelLinear, "linear_add", lambda self, x, res: None)
+    without, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
+    assert torch.equal(with_fused, without)
+    assert calls == [amx] * 2 * model.config.num_hidden_layers  # wo and w2
 
 
 def test_engine_binds_the_prefill_attention_with_the_bf16_kernel(

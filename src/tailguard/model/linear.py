@@ -77,3 +77,10 @@ class KernelLinear(nn.Module):
         if x.stride(-1) != 1:
             x = x.contiguous()
         return self.kernel.linear_silu(x, self.weight)
+
+    def linear_add(self, x: Tensor, residual: Tensor) -> Tensor | None:
+        """residual + this linear's output, where the kernel adds it in its store (the bf16
+        kernel on AMX above 32 rows), else None."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return self.kernel.linear_add(x, self.weight, residual)

@@ -152,6 +152,7 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         masks: list[Mask],  # per group [G, 1, Q, S], CAUSAL, or None: a decode group on `fused`
         kv_cache: tuple[Tensor, Tensor],  # each [num_blocks, block_size, nkv, hd]
+        residual: Tensor | None = None,  # [T, H] added to the output (the layer's input)
     ) -> Tensor:
         n_tok = x.shape[0]
         qkv = self.wqkv(x)
@@ -198,7 +199,7 @@ class Attention(nn.Module):
             if q_ext is None:
                 q_ext = torch.cat((q, q.new_zeros(1, self.n_head, self.head_dim)))
             self.attend(q_ext, group, mask, k_cache, v_cache, out)
-        return self.wo(out[:n_tok])  # [T, H]
+        return project(self.wo, out[:n_tok], residual)  # [T, H]
 
     def attend(
         self,
@@ -237,18 +238,34 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.fused: RowKernel | None = None  # silu(gate) * up in one compiled pass where set
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """w2(silu(gate) * up), plus residual ([T, H], the layer's stream) where given."""
         w13 = self.w13
         if self.fused is not None and isinstance(w13, KernelLinear):
             # silu(gate) * up inside the bf16 kernel's w13 (prefill sizes on AMX), same bits
             act = w13.linear_silu(x)
             if act is not None:
-                return self.w2(act)
+                return project(self.w2, act, residual)
         gate_up = w13(x)  # [T, 2I]
         if self.fused is not None and gate_up.is_contiguous():
-            return self.w2(self.fused.silu_mul(gate_up, torch.get_num_threads()))
-        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
-        return self.w2(F.silu(gate) * up)
+            act = self.fused.silu_mul(gate_up, torch.get_num_threads())
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+            act = F.silu(gate) * up
+        return project(self.w2, act, residual)
+
+
+def project(linear: nn.Module, x: Tensor, residual: Tensor | None) -> Tensor:
+    """linear(x), plus residual where given: added in the linear's own store where its kernel
+    can (bf16 on AMX above 32 rows: one pass over the output instead of two), with the bits of
+    `residual + linear(x)` either way."""
+    if residual is None:
+        return linear(x)
+    if isinstance(linear, KernelLinear):
+        y = linear.linear_add(x, residual)
+        if y is not None:
+            return y
+    return residual + linear(x)
 
 
 class DecoderLayer(nn.Module):
@@ -268,8 +285,8 @@ class DecoderLayer(nn.Module):
         masks: list[Mask],
         kv_cache: tuple[Tensor, Tensor],
     ) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, batch, masks, kv_cache)
-        return x + self.mlp(self.ffn_norm(x))
+        x = self.attn(self.attn_norm(x), cos, sin, batch, masks, kv_cache, residual=x)
+        return self.mlp(self.ffn_norm(x), residual=x)
 
 
 class MistralModel(nn.Module):

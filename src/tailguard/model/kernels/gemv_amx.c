@@ -193,6 +193,27 @@ static void amx_store_silu(const float *g, const float *u, long ldc, int rows, u
         }
 }
 
+/* amx_store with the residual added: y rows = bf16(bf16(c) + r), the product rounded as
+ * amx_store rounds it, then the sum as torch's bf16 add rounds it (so the same bits as the
+ * linear and then `r + y`); n whole panels. */
+static void amx_store_add(const float *c, long ldc, int rows, const uint16_t *r, long ldr,
+                          uint16_t *y, long ldy) {
+    for (int m = 0; m < rows; m++)
+        for (int h = 0; h < P; h += 16) {
+            __m512i pb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+                _mm512_loadu_ps(c + m * ldc + h)));
+            vf prod = (vf)_mm512_slli_epi32(pb, 16);
+            store_bf16(y + m * ldy + h, prod + load_bf16(r + m * ldr + h));
+        }
+}
+
+/* What amx_blocked's last store does besides rounding the sums (NULL: nothing). */
+struct amx_epilogue {
+    float *gates; /* silu(gate) * up (tg_bf16_linear_silu): amx_group x 32 x P floats */
+    const uint16_t *res; /* + a residual [M, N] (tg_bf16_linear_add), ldres apart */
+    long ldres;
+};
+
 /* Blocks of 32 x rows per group in amx_blocked: as many as fit in AMX_L2_X_BYTES. */
 static long amx_group(long M, long K) {
     long blocks = (M + AMX_XB - 1) / AMX_XB, group = AMX_L2_X_BYTES / (AMX_XB * K * 2);
@@ -202,11 +223,13 @@ static long amx_group(long M, long K) {
 /* Above 32 rows: xb holds x in zero-padded blocks of 32 rows, each k-step's two A tiles side
  * by side ([blocks][K/32][32 rows][32]: one 2 KB stream per block, as the panel is one for B);
  * each panel against a group of blocks that fits in L2 while the panel stays in L1/L2.
- * gates (tg_bf16_linear_silu; amx_group(M, K) x 32 x P floats, else NULL): wp holds 2N
- * columns, gate panels then up panels, and output panel q is silu(gate q) * up q, the
- * group's gate sums waiting in gates while its up panel runs. */
+ * ep (NULL: y = the rounded sums): with gates, wp holds 2N columns, gate panels then up
+ * panels, and output panel q is silu(gate q) * up q, the group's gate sums waiting in gates
+ * while its up panel runs; with res, y = res + the rounded sums. */
 static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, long ldy, long M,
-                        long N, long K, long b, long e, float *gates) {
+                        long N, long K, long b, long e, const struct amx_epilogue *ep) {
+    float *gates = ep ? ep->gates : NULL;
+    const uint16_t *res = ep ? ep->res : NULL;
     long kp_n = K / 2, pstride = kp_n * 2 * P, blocks = (M + AMX_XB - 1) / AMX_XB;
     long group = amx_group(M, K);
     float c[AMX_XB * P] __attribute__((aligned(64)));
@@ -268,6 +291,9 @@ static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, lon
                         long m0 = blk * AMX_XB, rows = M - m0 < AMX_XB ? M - m0 : AMX_XB;
                         if (gate)
                             amx_store_silu(gate, c, P, (int)rows, y + m0 * ldy + n0, ldy);
+                        else if (res)
+                            amx_store_add(c, P, (int)rows, res + m0 * ep->ldres + n0,
+                                          ep->ldres, y + m0 * ldy + n0, ldy);
                         else
                             amx_store(c, P, (int)rows, y + m0 * ldy + n0, ldy, nvalid);
                     }

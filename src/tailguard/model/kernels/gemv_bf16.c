@@ -293,22 +293,16 @@ int tg_bf16_linear(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
 
 #endif
 
-/* y [M, I] = silu(x @ Wg^T) * (x @ Wu^T), wp the panels of w13 [2I, K] (gate rows, then up
- * rows): each product rounded to bf16 as tg_bf16_linear rounds it, then silu and the product
- * as rows.c's tg_silu_mul_bf16, so the same bits as those two calls, without w13's [M, 2I]
- * output going to memory and back. On AMX above 32 rows (the prefill's blocked path) only:
- * returns -4 where that path does not apply (the caller makes the two calls), else 0, -1 on
- * bad arguments, -2 without memory. */
-int tg_bf16_linear_silu(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
-                        long M, long I, long K, int nthreads) {
-    if (M < 1 || I < 1 || K < 1 || ldx < K || ldy < I || nthreads < 1) return -1;
 #if TG_AMX
-    if (M <= AMX_XB || I % P || !amx_applies(K, ldx)) return -4;
-    long panels = I / P;
+/* amx_blocked over all its panels with an epilogue (gates: each thread's share of `gate_floats`
+ * after x's blocks), x copied first: 0, or -2 without memory. */
+static int amx_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
+                     long M, long N, long K, int nthreads, int silu, const uint16_t *res,
+                     long ldres) {
+    long panels = N / P;
     if (nthreads > panels) nthreads = (int)panels;
-    /* x's blocks, then each thread's gate sums (amx_blocked) */
     long x_bytes = (amx_copy_bytes(M, K) + 63) / 64 * 64;
-    long gate_floats = amx_group(M, K) * AMX_XB * P;
+    long gate_floats = silu ? amx_group(M, K) * AMX_XB * P : 0;
     char *scratch = aligned_alloc(64, (size_t)x_bytes + (size_t)nthreads * gate_floats * 4);
     if (!scratch) return -2;
 #pragma omp parallel num_threads(nthreads)
@@ -322,13 +316,46 @@ int tg_bf16_linear_silu(const uint16_t *x, long ldx, const uint16_t *wp, uint16_
         long b, e;
         my_panels(panels, &b, &e);
         amx_copy_blocks(x, ldx, M, K, (uint16_t *)scratch);
-        float *gates = (float *)(scratch + x_bytes) + t * gate_floats;
-        if (b < e) amx_blocked((uint16_t *)scratch, wp, y, ldy, M, I, K, b, e, gates);
+        struct amx_epilogue ep = {silu ? (float *)(scratch + x_bytes) + t * gate_floats : NULL,
+                                  res, ldres};
+        if (b < e) amx_blocked((uint16_t *)scratch, wp, y, ldy, M, N, K, b, e, &ep);
     }
     free(scratch);
     return 0;
+}
+#endif
+
+/* y [M, I] = silu(x @ Wg^T) * (x @ Wu^T), wp the panels of w13 [2I, K] (gate rows, then up
+ * rows): each product rounded to bf16 as tg_bf16_linear rounds it, then silu and the product
+ * as rows.c's tg_silu_mul_bf16, so the same bits as those two calls, without w13's [M, 2I]
+ * output going to memory and back. On AMX above 32 rows (the prefill's blocked path) only:
+ * returns -4 where that path does not apply (the caller makes the two calls), else 0, -1 on
+ * bad arguments, -2 without memory. */
+int tg_bf16_linear_silu(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
+                        long M, long I, long K, int nthreads) {
+    if (M < 1 || I < 1 || K < 1 || ldx < K || ldy < I || nthreads < 1) return -1;
+#if TG_AMX
+    if (M <= AMX_XB || I % P || !amx_applies(K, ldx)) return -4;
+    return amx_fused(x, ldx, wp, y, ldy, M, I, K, nthreads, 1, NULL, 0);
 #else
     (void)x, (void)wp, (void)y;
+    return -4;
+#endif
+}
+
+/* y [M, N] = res + x @ W^T: the product rounded to bf16 as tg_bf16_linear rounds it, then the
+ * sum as torch's bf16 add rounds it, so the same bits as the linear and then `res + y`, in one
+ * pass over y (a decoder layer's residual adds after wo and w2). Where tg_bf16_linear_silu
+ * runs (AMX, above 32 rows) and N is whole panels; else -4 (the caller makes the two
+ * calls), 0, -1 on bad arguments, -2 without memory. y may not overlap x; it may be res. */
+int tg_bf16_linear_add(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
+                       long M, long N, long K, int nthreads, const uint16_t *res, long ldres) {
+    if (M < 1 || N < 1 || K < 1 || ldx < K || ldy < N || ldres < N || nthreads < 1) return -1;
+#if TG_AMX
+    if (M <= AMX_XB || N % P || !amx_applies(K, ldx)) return -4;
+    return amx_fused(x, ldx, wp, y, ldy, M, N, K, nthreads, 0, res, ldres);
+#else
+    (void)x, (void)wp, (void)y, (void)res;
     return -4;
 #endif
 }
@@ -350,4 +377,4 @@ int tg_bf16_set_amx(int on) {
 }
 
 /* Lets the loader check that the library it opened is the one it built. */
-int tg_bf16_kernel_abi(void) { return 3; }
+int tg_bf16_kernel_abi(void) { return 4; }

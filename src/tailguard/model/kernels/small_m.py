@@ -71,6 +71,10 @@ class LinearKernel(Protocol):
         self, x: Tensor, w13: PanelWeight, threads: int | None = None
     ) -> Tensor | None: ...
 
+    def linear_add(
+        self, x: Tensor, w: PanelWeight, residual: Tensor, threads: int | None = None
+    ) -> Tensor | None: ...
+
 
 class SmallMKernel:
     """y = x @ w^T for fp32 x [M, K] (any M) and w packed once by `pack` from [N, K]."""
@@ -106,6 +110,12 @@ class SmallMKernel:
 
     def linear_silu(self, x: Tensor, w13: PanelWeight, threads: int | None = None) -> Tensor | None:
         """No fused silu(gate) * up in fp32 (gemv.c): None, the caller makes the two calls."""
+        return None
+
+    def linear_add(
+        self, x: Tensor, w: PanelWeight, residual: Tensor, threads: int | None = None
+    ) -> Tensor | None:
+        """No fused residual add in fp32 (gemv.c): None, the caller makes the two calls."""
         return None
 
     def linear(self, x: Tensor, w: PanelWeight, threads: int | None = None) -> Tensor:

@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("gemv_bf16.c")
-ABI = 3  # tg_bf16_kernel_abi() of the source this module expects
+ABI = 4  # tg_bf16_kernel_abi() of the source this module expects
 
 
 class AmxPath:
@@ -97,6 +97,10 @@ class Bf16Kernel(AmxPath):
         silu.restype = ctypes.c_int
         silu.argtypes = fn.argtypes  # x, ldx, panels, y, ldy, M, I, K, threads
         self._silu = silu
+        add = lib.tg_bf16_linear_add
+        add.restype = ctypes.c_int
+        add.argtypes = [*fn.argtypes, c_void_p, c_long]  # ..., threads, res, ldres
+        self._add = add
         self._pack = lib.tg_bf16_pack
         self._pack.restype = None
         self._pack.argtypes = [c_void_p, c_void_p, c_long, c_long]
@@ -156,6 +160,37 @@ class Bf16Kernel(AmxPath):
             return None
         if rc != 0:  # pragma: no cover - -2: out of memory
             raise MemoryError(f"bf16 kernel failed ({rc}) on x {tuple(x.shape)}, I={i}")
+        return y
+
+    def linear_add(
+        self, x: Tensor, w: PanelWeight, residual: Tensor, threads: int | None = None
+    ) -> Tensor | None:
+        """residual + x @ w^T [M, N] (residual bf16 [M, N], unit inner stride), the same bits
+        as `linear` and then torch's bf16 `residual + y`, in one call that writes y once; None
+        where that fused path does not run (up to 32 rows, off AMX, N not whole panels: make
+        the two calls)."""
+        m, k = x.shape
+        n = w.out_features
+        if k != w.in_features or x.stride(1) != 1 or x.dtype != torch.bfloat16:
+            raise ValueError(
+                f"bf16 kernel needs bf16 x [M, {w.in_features}] with unit inner stride: "
+                f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}"
+            )
+        if residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != x.dtype:
+            raise ValueError(
+                f"residual must be bf16 [{m}, {n}] with unit inner stride: got "
+                f"{residual.dtype} {tuple(residual.shape)} strides {residual.stride()}"
+            )
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        nt = torch.get_num_threads() if threads is None else threads
+        rc = self._add(
+            x.data_ptr(), x.stride(0), w.panels.data_ptr(), y.data_ptr(), n, m, n, k, nt,
+            residual.data_ptr(), residual.stride(0),
+        )  # fmt: skip
+        if rc == -4:
+            return None
+        if rc != 0:  # pragma: no cover - -2: out of memory
+            raise MemoryError(f"bf16 kernel failed ({rc}) on x {tuple(x.shape)}, N={n}")
         return y
 
 
