@@ -3,9 +3,11 @@ vLLM mapping feeds the same rules (saying which it cannot)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from tests.tools.doctor.doctor_testkit import FIXTURES
 
@@ -122,6 +124,41 @@ def test_admission_late_predictions() -> None:
     ev = fired(d.causes[0])
     late = "admitted requests later than admission planned (prediction ratio > 1)"
     assert 0.1 < ev[late] < 0.2
+
+
+def test_a_few_late_admissions_in_a_small_window_are_noise(tmp_path: Path) -> None:
+    """The late-prediction signal needs its share and at least PREDICTION_LATE_MIN requests:
+    3 late of 45 (6.7%, a 2-core host's hiccup in the lab's small healthy run) is not a risk;
+    6 late of 45 is."""
+    late = "admitted requests later than admission planned (prediction ratio > 1)"
+    bounds = ["0.1", "0.25", "0.5", "0.75", "0.9", "1.0", "1.25", "1.5", "2.0", "5.0", "10.0"]
+
+    def window(n_late: int) -> Path:
+        d = tmp_path / f"late{n_late}"
+        shutil.copytree(FIXTURES / "admission_late", d)
+        after = d / "server-0.after.prom"
+        lines = []
+        for line in after.read_text().splitlines():
+            if line.startswith('tailguard_admission_prediction_ratio_bucket{kind="single_pass"'):
+                le = line.split('le="')[1].split('"')[0]
+                held = 45 - n_late if le == "1.0" else 0 if float(le) < 1.0 else 45
+                line = f"{line.rsplit(' ', 1)[0]} {45 if le == '+Inf' else held}.0"
+            elif line.startswith('tailguard_admission_prediction_ratio_count{kind="single_pass"'):
+                line = f"{line.rsplit(' ', 1)[0]} 45.0"
+            lines.append(line)
+        after.write_text("\n".join(lines) + "\n")
+        assert len([b for b in bounds if f'le="{b}"' in after.read_text()]) == len(bounds)
+        return d
+
+    def late_signal(n_late: int) -> tuple[float, bool]:
+        f = finding(diagnose(load_recorded(window(n_late))), Cause.ADMISSION)
+        e = next(e for e in f.evidence if e.what == late)
+        return e.value, e.fired
+
+    share, fired_ = late_signal(3)
+    assert share > T.PREDICTION_LATE_SHARE and not fired_
+    share, fired_ = late_signal(6)
+    assert share > T.PREDICTION_LATE_SHARE and fired_
 
 
 def test_vllm_names_are_mapped_and_unevaluated_rules_listed() -> None:

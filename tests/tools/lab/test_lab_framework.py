@@ -129,9 +129,9 @@ def test_healthy_side_end_to_end(tmp_path: Path) -> None:
     assert len(results) == 1
     r = results[0]
     assert r.error is None, r.error
-    assert r.verdict is Cause.NONE
-    assert r.tails is not None and r.tails.requests == 45 and r.tails.ok == 45
     run_dir = tmp_path / "healthy-healthy-1"
+    assert r.verdict is Cause.NONE, (run_dir / "doctor.txt").read_text()
+    assert r.tails is not None and r.tails.requests == 45 and r.tails.ok == 45
     assert (run_dir / "doctor.txt").read_text().rstrip().endswith("verdict: none (exit 0)")
     # the window was recorded and re-reads to the same verdict
     again = diagnose(load_recorded(run_dir / "window"))

@@ -185,8 +185,9 @@ def admission(obs: Observation, sym: Symptom) -> Finding:
             ev("engine busy (step time / window)", c.busy, T.ENGINE_BUSY_RATIO, False, 0.0,
                where=w),
             ev("admitted requests later than admission planned (prediction ratio > 1)", late,
-               T.PREDICTION_LATE_SHARE, late > T.PREDICTION_LATE_SHARE, 0.55, where=w,
-               risk=True),
+               T.PREDICTION_LATE_SHARE,
+               late > T.PREDICTION_LATE_SHARE and late * h.count >= T.PREDICTION_LATE_MIN, 0.55,
+               where=w, risk=True),
             ev("predictions with 2x margin (ratio <= 0.5) while refusing", generous, 0.9,
                refusing and generous > 0.9, 0.3, where=w, risk=True),
         ]  # fmt: skip

@@ -111,6 +111,9 @@ prefill-bound."""
 PREDICTION_LATE_SHARE = 0.05
 """Over 5% of admitted requests later than admission planned (prediction ratio > 1): the cost
 model is optimistic, so admitted work misses its deadline instead of being refused."""
+PREDICTION_LATE_MIN = 5
+"""And at least 5 such requests: in a small window 2-3 late of ~45 are noise (a ~2% late rate,
+a 2-core host's hiccup) that crossed the share alone, as the lab's healthy run once read."""
 PREDICTION_HELD_MIN = 0.5
 """Ratio under 0.5 for most admitted requests while refusing: admission plans twice the time
 work takes and refuses requests that would have made it."""
