@@ -169,6 +169,35 @@ def test_fused_residual_add_gives_the_two_calls_bits(
         kernel.linear_add(x, w, torch.zeros(m, n))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_folded_rms_norm_gives_the_two_calls_bits(
+    kernel: Bf16Kernel, amx: bool, threads: int
+) -> None:
+    """linear_norm, and linear_silu with a norm: RMSNorm inside the AMX x copy, bit for bit the
+    row kernel's rms_norm and then `linear` / `linear_silu` (K 64 to 2,816; 33-300 rows; rows
+    of very different scales; a padded last block); None where it does not run."""
+    rows_kernel = load_row_kernel()
+    assert rows_kernel is not None
+    g = torch.Generator().manual_seed(10)
+    for m, n, k in ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (70, 64, 2816), (32, 64, 64)):
+        x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]
+        x = x.bfloat16()
+        nw = (torch.rand(k, generator=g) + 0.5).bfloat16()
+        w = kernel.pack((torch.randn(2 * n, k, generator=g) * 0.1).bfloat16())
+        got = kernel.linear_norm(x, w, (nw, 1e-5), threads)
+        got_silu = kernel.linear_silu(x, w, threads, norm=(nw, 1e-5))
+        if not amx or m <= 32:
+            assert got is None and got_silu is None
+            continue
+        normed = rows_kernel.rms_norm(x, nw, 1e-5, threads)
+        assert got is not None and got_silu is not None
+        assert torch.equal(got, kernel.linear(normed, w, threads)), (m, n, k)
+        want_silu = kernel.linear_silu(normed, w, threads)
+        assert want_silu is not None and torch.equal(got_silu, want_silu), (m, n, k)
+    with pytest.raises(ValueError, match="norm weight must be contiguous bf16"):
+        kernel.linear_norm(x, w, (torch.ones(k), 1e-5))
+
+
 def test_kernel_refuses_what_it_cannot_read(kernel: Bf16Kernel) -> None:
     wp = kernel.pack(torch.randn(8, 16).bfloat16())
     with pytest.raises(ValueError, match="bf16 x"):
@@ -597,14 +626,16 @@ def test_model_prefill_with_the_fused_silu_gives_the_same_bits(
     calls: list[int] = []
     fused = KernelLinear.linear_silu
 
-    def counted(self: KernelLinear, x: torch.Tensor) -> torch.Tensor | None:
-        out = fused(self, x)
+    def counted(
+        self: KernelLinear, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
+    ) -> torch.Tensor | None:
+        out = fused(self, x, norm)
         calls.append(out is not None)
         return out
 
     monkeypatch.setattr(KernelLinear, "linear_silu", counted)
     with_fused, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
-    monkeypatch.setattr(KernelLinear, "linear_silu", lambda self, x: None)
+    monkeypatch.setattr(KernelLinear, "linear_silu", lambda self, x, norm=None: None)
     without, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
     assert torch.equal(with_fused, without)
     assert calls == [amx] * model.config.num_hidden_layers
@@ -634,6 +665,44 @@ def test_model_prefill_with_the_fused_residual_adds_gives_the_same_bits(
     without, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
     assert torch.equal(with_fused, without)
     assert calls == [amx] * 2 * model.config.num_hidden_layers  # wo and w2
+
+
+def test_model_prefill_with_the_folded_norms_gives_the_same_bits(
+    kernel: Bf16Kernel, amx: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 model on the kernel and row kernels: a 40-token prefill runs each layer's
+    attn_norm inside wqkv's x copy and ffn_norm inside w13's on AMX, with the same hidden
+    states as the norms' own passes."""
+    folder = make_checkpoint(tmp_path / "ckpt", dataclasses.replace(TINY, head_dim=32))
+    model, _ = load_model(folder, dtype=torch.bfloat16)
+    assert model.use_row_kernel(load_row_kernel())
+    model.prepack(kernel=kernel)
+    step = [[(0, list(range(3, 43)))]]
+    norms: list[bool] = []
+    real_norm, real_silu = KernelLinear.linear_norm, KernelLinear.linear_silu
+
+    def counted_norm(
+        self: KernelLinear, x: torch.Tensor, norm: tuple[torch.Tensor, float]
+    ) -> torch.Tensor | None:
+        out = real_norm(self, x, norm)
+        norms.append(out is not None)
+        return out
+
+    def counted_silu(
+        self: KernelLinear, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
+    ) -> torch.Tensor | None:
+        out = real_silu(self, x, norm)
+        norms.append(out is not None and norm is not None)
+        return out
+
+    monkeypatch.setattr(KernelLinear, "linear_norm", counted_norm)
+    monkeypatch.setattr(KernelLinear, "linear_silu", counted_silu)
+    folded, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
+    monkeypatch.setattr(KernelLinear, "linear_norm", lambda self, x, norm: None)
+    monkeypatch.setattr(KernelLinear, "linear_silu", lambda self, x, norm=None: None)
+    apart, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
+    assert torch.equal(folded, apart)
+    assert norms == [amx] * 2 * model.config.num_hidden_layers  # wqkv and w13
 
 
 def test_engine_binds_the_prefill_attention_with_the_bf16_kernel(

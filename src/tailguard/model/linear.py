@@ -71,12 +71,20 @@ class KernelLinear(nn.Module):
             x = x.contiguous()
         return self.kernel.linear(x, self.weight)  # a clear ValueError for what it cannot read
 
-    def linear_silu(self, x: Tensor) -> Tensor | None:
+    def linear_silu(self, x: Tensor, norm: tuple[Tensor, float] | None = None) -> Tensor | None:
         """silu(gate) * up of this linear's output (gate columns first) where the kernel has a
-        fused path for these rows (the bf16 kernel on AMX above 32 rows), else None."""
+        fused path for these rows (the bf16 kernel on AMX above 32 rows), else None. norm
+        (weight, eps): of RMSNorm(x), the norm inside the same call."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        return self.kernel.linear_silu(x, self.weight)
+        return self.kernel.linear_silu(x, self.weight, norm=norm)
+
+    def linear_norm(self, x: Tensor, norm: tuple[Tensor, float]) -> Tensor | None:
+        """This linear of RMSNorm(x) (norm: weight, eps) with the norm inside the kernel's copy
+        of x where it has that path (bf16 on AMX above 32 rows), else None."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return self.kernel.linear_norm(x, self.weight, norm)
 
     def linear_add(self, x: Tensor, residual: Tensor) -> Tensor | None:
         """residual + this linear's output, where the kernel adds it in its store (the bf16

@@ -57,9 +57,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.fused: RowKernel | None = None  # one compiled pass (CPU fp32 or bf16) where set
 
+    def on_kernel(self, x: Tensor) -> bool:
+        """Whether forward(x) runs on the row kernel (whose bf16 rounding a linear's x copy
+        can repeat: `fold`)."""
+        return self.fused is not None and x.is_contiguous() and x.dtype == self.weight.dtype
+
+    def fold(self, x: Tensor) -> tuple[Tensor, float] | None:
+        """(weight, eps) for a bf16 kernel linear to apply this norm to x inside its own copy of
+        x (the same bits as forward on the row kernel), else None: call forward."""
+        if x.dtype == torch.bfloat16 and self.on_kernel(x):
+            return self.weight, self.eps
+        return None
+
     def forward(self, x: Tensor) -> Tensor:
         kernel = self.fused
-        if kernel is not None and x.is_contiguous() and x.dtype == self.weight.dtype:
+        if kernel is not None and self.on_kernel(x):
             return kernel.rms_norm(x, self.weight, self.eps, torch.get_num_threads())
         # Normalise in fp32 and cast back before the weight, exactly as transformers does, so
         # bf16 serving rounds at the same places as the reference.
@@ -100,9 +112,10 @@ class Attention(nn.Module):
         masks: list[Mask],  # per group [G, 1, Q, S], CAUSAL, or None: a decode group on `fused`
         kv_cache: tuple[Tensor, Tensor],  # each [num_blocks, block_size, nkv, hd]
         residual: Tensor | None = None,  # [T, H] added to the output (the layer's input)
+        norm: RMSNorm | None = None,  # x is normalised by it first (in wqkv's x copy if it can)
     ) -> Tensor:
         n_tok = x.shape[0]
-        qkv = self.wqkv(x)
+        qkv = self.wqkv(x) if norm is None else project_normed(self.wqkv, x, norm)
         kernel = self.fused
         rope = self.fused_rope
         if rope is not None and qkv.is_contiguous():  # q and k rotated in place, one pass
@@ -185,14 +198,20 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.fused: RowKernel | None = None  # silu(gate) * up in one compiled pass where set
 
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """w2(silu(gate) * up), plus residual ([T, H], the layer's stream) where given."""
+    def forward(
+        self, x: Tensor, residual: Tensor | None = None, norm: RMSNorm | None = None
+    ) -> Tensor:
+        """w2(silu(gate) * up), plus residual ([T, H], the layer's stream) where given; x is
+        normalised by norm first where given (inside w13's x copy where it can)."""
         w13 = self.w13
+        folded = None if norm is None else norm.fold(x)
         if self.fused is not None and isinstance(w13, KernelLinear):
             # silu(gate) * up inside the bf16 kernel's w13 (prefill sizes on AMX), same bits
-            act = w13.linear_silu(x)
+            act = w13.linear_silu(x, folded)
             if act is not None:
                 return project(self.w2, act, residual)
+        if norm is not None:
+            x = norm(x)
         gate_up = w13(x)  # [T, 2I]
         if self.fused is not None and gate_up.is_contiguous():
             act = self.fused.silu_mul(gate_up, torch.get_num_threads())
@@ -200,6 +219,18 @@ class FeedForward(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
             act = F.silu(gate) * up
         return project(self.w2, act, residual)
+
+
+def project_normed(linear: nn.Module, x: Tensor, norm: RMSNorm) -> Tensor:
+    """linear(norm(x)), the norm inside the linear's own copy of x where its kernel can (bf16 on
+    AMX above 32 rows, the norm on the row kernel): the normalised x never goes to memory, and
+    the bits are those of the two calls either way."""
+    folded = norm.fold(x)
+    if folded is not None and isinstance(linear, KernelLinear):
+        y = linear.linear_norm(x, folded)
+        if y is not None:
+            return y
+    return linear(norm(x))
 
 
 def project(linear: nn.Module, x: Tensor, residual: Tensor | None) -> Tensor:
@@ -232,8 +263,8 @@ class DecoderLayer(nn.Module):
         masks: list[Mask],
         kv_cache: tuple[Tensor, Tensor],
     ) -> Tensor:
-        x = self.attn(self.attn_norm(x), cos, sin, batch, masks, kv_cache, residual=x)
-        return self.mlp(self.ffn_norm(x), residual=x)
+        x = self.attn(x, cos, sin, batch, masks, kv_cache, residual=x, norm=self.attn_norm)
+        return self.mlp(x, residual=x, norm=self.ffn_norm)
 
 
 class MistralModel(nn.Module):

@@ -309,17 +309,24 @@ static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, lon
 static int amx_applies(long K, long ldx) { return g_amx && K % AMX_K == 0 && ldx >= K; }
 
 /* Inside a parallel region: x into xb's zero-padded blocks of 32 rows (amx_copy_bytes), the
- * rows split over the threads; returns after the barrier (x copied before any panel runs). */
-static void amx_copy_blocks(const uint16_t *x, long ldx, long M, long K, uint16_t *xb) {
+ * rows split over the threads; returns after the barrier (x copied before any panel runs).
+ * With norm_w, each row is RMSNorm(x row) * norm_w on the way, as rows.c's rms_row_bf16 writes
+ * it (the same bits as the norm's own pass, which then never goes to memory). */
+static void amx_copy_blocks(const uint16_t *x, long ldx, long M, long K, uint16_t *xb,
+                            const uint16_t *norm_w, float eps) {
     long padded = (M + AMX_XB - 1) / AMX_XB * AMX_XB;
 #pragma omp for schedule(static)
     for (long m = 0; m < padded; m++) {
         uint16_t *dst = xb + (m / AMX_XB) * AMX_XB * K + (m % AMX_XB) * AMX_K;
+        const uint16_t *xr = x + m * ldx;
+        float r = m < M && norm_w ? rms_scale_bf16(xr, K, eps) : 0.0f;
         for (long k = 0; k < K; k += AMX_K, dst += AMX_XB * AMX_K) {
-            if (m < M)
-                memcpy(dst, x + m * ldx + k, AMX_K * 2);
-            else
+            if (m >= M)
                 memset(dst, 0, AMX_K * 2);
+            else if (norm_w)
+                rms_apply_bf16(xr + k, norm_w + k, r, dst, AMX_K);
+            else
+                memcpy(dst, xr + k, AMX_K * 2);
         }
     }
 }
@@ -334,6 +341,6 @@ static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint1
         else if (b < e) amx_medium(x, ldx, wp, y, ldy, M, N, K, b, e);
         return;
     }
-    amx_copy_blocks(x, ldx, M, K, (uint16_t *)xt);
+    amx_copy_blocks(x, ldx, M, K, (uint16_t *)xt, NULL, 0.0f);
     if (b < e) amx_blocked((uint16_t *)xt, wp, y, ldy, M, N, K, b, e, NULL);
 }

@@ -295,10 +295,11 @@ int tg_bf16_linear(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
 
 #if TG_AMX
 /* amx_blocked over all its panels with an epilogue (gates: each thread's share of `gate_floats`
- * after x's blocks), x copied first: 0, or -2 without memory. */
+ * after x's blocks), x copied first (RMSNorm'd by norm_w, eps where norm_w is not NULL): 0, or
+ * -2 without memory. */
 static int amx_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
-                     long M, long N, long K, int nthreads, int silu, const uint16_t *res,
-                     long ldres) {
+                     long M, long N, long K, int nthreads, const uint16_t *norm_w, float eps,
+                     int silu, const uint16_t *res, long ldres) {
     long panels = N / P;
     if (nthreads > panels) nthreads = (int)panels;
     long x_bytes = (amx_copy_bytes(M, K) + 63) / 64 * 64;
@@ -315,7 +316,7 @@ static int amx_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *
 #endif
         long b, e;
         my_panels(panels, &b, &e);
-        amx_copy_blocks(x, ldx, M, K, (uint16_t *)scratch);
+        amx_copy_blocks(x, ldx, M, K, (uint16_t *)scratch, norm_w, eps);
         struct amx_epilogue ep = {silu ? (float *)(scratch + x_bytes) + t * gate_floats : NULL,
                                   res, ldres};
         if (b < e) amx_blocked((uint16_t *)scratch, wp, y, ldy, M, N, K, b, e, &ep);
@@ -332,13 +333,32 @@ static int amx_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *
  * returns -4 where that path does not apply (the caller makes the two calls), else 0, -1 on
  * bad arguments, -2 without memory. */
 int tg_bf16_linear_silu(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
-                        long M, long I, long K, int nthreads) {
+                        long M, long I, long K, int nthreads, const uint16_t *norm_w,
+                        float eps) {
     if (M < 1 || I < 1 || K < 1 || ldx < K || ldy < I || nthreads < 1) return -1;
 #if TG_AMX
     if (M <= AMX_XB || I % P || !amx_applies(K, ldx)) return -4;
-    return amx_fused(x, ldx, wp, y, ldy, M, I, K, nthreads, 1, NULL, 0);
+    return amx_fused(x, ldx, wp, y, ldy, M, I, K, nthreads, norm_w, eps, 1, NULL, 0);
 #else
-    (void)x, (void)wp, (void)y;
+    (void)x, (void)wp, (void)y, (void)norm_w, (void)eps;
+    return -4;
+#endif
+}
+
+/* y [M, N] = RMSNorm(x) @ W^T, x normed by norm_w and eps on its way into the AMX blocks as
+ * rows.c's tg_rms_norm_bf16 normalises (the same bits as that call and then tg_bf16_linear),
+ * so the normalised [M, K] never goes to memory (a decoder layer's wqkv after attn_norm).
+ * Where tg_bf16_linear_silu runs (AMX, above 32 rows; K a multiple of 32); else -4 (the caller
+ * makes the two calls), 0, -1 on bad arguments, -2 without memory. */
+int tg_bf16_linear_norm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
+                        long M, long N, long K, int nthreads, const uint16_t *norm_w,
+                        float eps) {
+    if (M < 1 || N < 1 || K < 1 || ldx < K || ldy < N || nthreads < 1 || !norm_w) return -1;
+#if TG_AMX
+    if (M <= AMX_XB || !amx_applies(K, ldx)) return -4;
+    return amx_fused(x, ldx, wp, y, ldy, M, N, K, nthreads, norm_w, eps, 0, NULL, 0);
+#else
+    (void)x, (void)wp, (void)y, (void)eps;
     return -4;
 #endif
 }
@@ -353,7 +373,7 @@ int tg_bf16_linear_add(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t
     if (M < 1 || N < 1 || K < 1 || ldx < K || ldy < N || ldres < N || nthreads < 1) return -1;
 #if TG_AMX
     if (M <= AMX_XB || N % P || !amx_applies(K, ldx)) return -4;
-    return amx_fused(x, ldx, wp, y, ldy, M, N, K, nthreads, 0, res, ldres);
+    return amx_fused(x, ldx, wp, y, ldy, M, N, K, nthreads, NULL, 0.0f, 0, res, ldres);
 #else
     (void)x, (void)wp, (void)y, (void)res;
     return -4;
@@ -377,4 +397,4 @@ int tg_bf16_set_amx(int on) {
 }
 
 /* Lets the loader check that the library it opened is the one it built. */
-int tg_bf16_kernel_abi(void) { return 4; }
+int tg_bf16_kernel_abi(void) { return 5; }

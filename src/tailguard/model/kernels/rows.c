@@ -449,16 +449,26 @@ void tg_rope(float *x, long ld, long T, long heads, long hd, const float *cos_t,
  * product and then their sum. Sums run in fp32. Rows are split over OpenMP threads (a prefill
  * step has thousands); H, I and hd % VL == 0. */
 
-static inline void rms_row_bf16(const uint16_t *xr, const uint16_t *w, uint16_t *y, long H,
-                                float eps) {
+/* 1 / sqrt(mean(x^2) + eps) of a bf16 row of H (H % VL == 0): RMSNorm's scale. */
+static inline float rms_scale_bf16(const uint16_t *xr, long H, float eps) {
     vf acc = {};
     for (long d = 0; d < H; d += VL) {
         vf v = load_bf16(xr + d);
         acc += v * v;
     }
-    float r = 1.0f / sqrtf(vsum(acc) / (float)H + eps);
-    for (long d = 0; d < H; d += VL)
+    return 1.0f / sqrtf(vsum(acc) / (float)H + eps);
+}
+
+/* y[d] = w[d] * bf16(x[d] * r) rounded, for d in [0, n) (n % VL == 0): RMSNorm's output. */
+static inline void rms_apply_bf16(const uint16_t *xr, const uint16_t *w, float r, uint16_t *y,
+                                  long n) {
+    for (long d = 0; d < n; d += VL)
         store_bf16(y + d, load_bf16(w + d) * rne(load_bf16(xr + d) * r));
+}
+
+static inline void rms_row_bf16(const uint16_t *xr, const uint16_t *w, uint16_t *y, long H,
+                                float eps) {
+    rms_apply_bf16(xr, w, rms_scale_bf16(xr, H, eps), y, H);
 }
 
 static inline void silu_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, long I) {

@@ -68,7 +68,15 @@ class LinearKernel(Protocol):
     def linear(self, x: Tensor, w: PanelWeight, threads: int | None = None) -> Tensor: ...
 
     def linear_silu(
-        self, x: Tensor, w13: PanelWeight, threads: int | None = None
+        self,
+        x: Tensor,
+        w13: PanelWeight,
+        threads: int | None = None,
+        norm: tuple[Tensor, float] | None = None,
+    ) -> Tensor | None: ...
+
+    def linear_norm(
+        self, x: Tensor, w: PanelWeight, norm: tuple[Tensor, float], threads: int | None = None
     ) -> Tensor | None: ...
 
     def linear_add(
@@ -108,8 +116,20 @@ class SmallMKernel:
         self._pack(w.data_ptr(), panels.data_ptr(), n, k)
         return PanelWeight(panels, n, k)
 
-    def linear_silu(self, x: Tensor, w13: PanelWeight, threads: int | None = None) -> Tensor | None:
+    def linear_silu(
+        self,
+        x: Tensor,
+        w13: PanelWeight,
+        threads: int | None = None,
+        norm: tuple[Tensor, float] | None = None,
+    ) -> Tensor | None:
         """No fused silu(gate) * up in fp32 (gemv.c): None, the caller makes the two calls."""
+        return None
+
+    def linear_norm(
+        self, x: Tensor, w: PanelWeight, norm: tuple[Tensor, float], threads: int | None = None
+    ) -> Tensor | None:
+        """No RMSNorm folded into x in fp32 (gemv.c): None, the caller makes the two calls."""
         return None
 
     def linear_add(

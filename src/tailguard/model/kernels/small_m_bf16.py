@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("gemv_bf16.c")
-ABI = 4  # tg_bf16_kernel_abi() of the source this module expects
+ABI = 5  # tg_bf16_kernel_abi() of the source this module expects
 
 
 class AmxPath:
@@ -93,10 +93,15 @@ class Bf16Kernel(AmxPath):
         fn.argtypes = [c_void_p, c_long, c_void_p, c_void_p, c_long, c_long, c_long, c_long]
         fn.argtypes.append(ctypes.c_int)
         self._fn = fn
+        c_float = ctypes.c_float
         silu = lib.tg_bf16_linear_silu
         silu.restype = ctypes.c_int
-        silu.argtypes = fn.argtypes  # x, ldx, panels, y, ldy, M, I, K, threads
+        silu.argtypes = [*fn.argtypes, c_void_p, c_float]  # ..., threads, norm_w, eps
         self._silu = silu
+        norm = lib.tg_bf16_linear_norm
+        norm.restype = ctypes.c_int
+        norm.argtypes = silu.argtypes  # x, ldx, panels, y, ldy, M, N, K, threads, norm_w, eps
+        self._norm = norm
         add = lib.tg_bf16_linear_add
         add.restype = ctypes.c_int
         add.argtypes = [*fn.argtypes, c_void_p, c_long]  # ..., threads, res, ldres
@@ -139,28 +144,30 @@ class Bf16Kernel(AmxPath):
             raise MemoryError(f"bf16 kernel failed ({rc}) on x {tuple(x.shape)}, N={n}")
         return y
 
-    def linear_silu(self, x: Tensor, w13: PanelWeight, threads: int | None = None) -> Tensor | None:
+    def linear_silu(
+        self,
+        x: Tensor,
+        w13: PanelWeight,
+        threads: int | None = None,
+        norm: tuple[Tensor, float] | None = None,
+    ) -> Tensor | None:
         """silu(gate) * up [M, I] of the w13 panels ([2I, K]: gate rows, then up rows), the
         same bits as `linear` and then rows.c's bf16 silu_mul, in one call whose [M, 2I]
         product never goes to memory; None where that fused path does not run (up to 32 rows,
-        off AMX, I not whole panels: make the two calls)."""
-        m, k = x.shape
-        if k != w13.in_features or x.stride(1) != 1 or x.dtype != torch.bfloat16:
-            raise ValueError(
-                f"bf16 kernel needs bf16 x [M, {w13.in_features}] with unit inner stride: "
-                f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}"
-            )
-        i = w13.out_features // 2
-        y = torch.empty(m, i, dtype=torch.bfloat16)
-        nt = torch.get_num_threads() if threads is None else threads
-        rc = self._silu(
-            x.data_ptr(), x.stride(0), w13.panels.data_ptr(), y.data_ptr(), i, m, i, k, nt
-        )
-        if rc == -4:
-            return None
-        if rc != 0:  # pragma: no cover - -2: out of memory
-            raise MemoryError(f"bf16 kernel failed ({rc}) on x {tuple(x.shape)}, I={i}")
-        return y
+        off AMX, I not whole panels: make the two calls). norm (weight [K] bf16, eps): x is
+        RMSNorm'd first, inside the call, with the bits of the row kernel's rms_norm."""
+        norm_args = self._norm_args(norm, x.shape[1])
+        return self._fused(self._silu, x, w13, w13.out_features // 2, threads, *norm_args)
+
+    def linear_norm(
+        self, x: Tensor, w: PanelWeight, norm: tuple[Tensor, float], threads: int | None = None
+    ) -> Tensor | None:
+        """RMSNorm(x) @ w^T [M, N] for norm = (weight [K] bf16, eps), the same bits as the row
+        kernel's rms_norm and then `linear`, in one call whose normalised x never goes to
+        memory; None where that fused path does not run (up to 32 rows, off AMX: make the two
+        calls)."""
+        norm_args = self._norm_args(norm, x.shape[1])
+        return self._fused(self._norm, x, w, w.out_features, threads, *norm_args)
 
     def linear_add(
         self, x: Tensor, w: PanelWeight, residual: Tensor, threads: int | None = None
@@ -169,29 +176,51 @@ class Bf16Kernel(AmxPath):
         as `linear` and then torch's bf16 `residual + y`, in one call that writes y once; None
         where that fused path does not run (up to 32 rows, off AMX, N not whole panels: make
         the two calls)."""
-        m, k = x.shape
-        n = w.out_features
-        if k != w.in_features or x.stride(1) != 1 or x.dtype != torch.bfloat16:
-            raise ValueError(
-                f"bf16 kernel needs bf16 x [M, {w.in_features}] with unit inner stride: "
-                f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}"
-            )
+        m, n = x.shape[0], w.out_features
         if residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != x.dtype:
             raise ValueError(
                 f"residual must be bf16 [{m}, {n}] with unit inner stride: got "
                 f"{residual.dtype} {tuple(residual.shape)} strides {residual.stride()}"
             )
-        y = torch.empty(m, n, dtype=torch.bfloat16)
+        res = (residual.data_ptr(), residual.stride(0))
+        return self._fused(self._add, x, w, n, threads, *res)
+
+    def _fused(
+        self, fn: Any, x: Tensor, w: PanelWeight, n_out: int, threads: int | None, *extra: Any
+    ) -> Tensor | None:
+        """y [M, n_out] from one of the AMX-only fused entries (tg_bf16_linear_silu, _norm,
+        _add: x, ldx, panels, y, ldy, M, N, K, threads, then `extra`); None where it returns
+        -4 (the path does not apply)."""
+        self._check_x(x, w)
+        m, k = x.shape
+        y = torch.empty(m, n_out, dtype=torch.bfloat16)
         nt = torch.get_num_threads() if threads is None else threads
-        rc = self._add(
-            x.data_ptr(), x.stride(0), w.panels.data_ptr(), y.data_ptr(), n, m, n, k, nt,
-            residual.data_ptr(), residual.stride(0),
-        )  # fmt: skip
+        rc = fn(x.data_ptr(), x.stride(0), w.panels.data_ptr(), y.data_ptr(), n_out, m, n_out, k,
+                nt, *extra)  # fmt: skip
         if rc == -4:
             return None
         if rc != 0:  # pragma: no cover - -2: out of memory
-            raise MemoryError(f"bf16 kernel failed ({rc}) on x {tuple(x.shape)}, N={n}")
+            raise MemoryError(f"bf16 kernel failed ({rc}) on x {tuple(x.shape)}, N={n_out}")
         return y
+
+    @staticmethod
+    def _check_x(x: Tensor, w: PanelWeight) -> None:
+        if x.shape[1] != w.in_features or x.stride(1) != 1 or x.dtype != torch.bfloat16:
+            raise ValueError(
+                f"bf16 kernel needs bf16 x [M, {w.in_features}] with unit inner stride: "
+                f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}"
+            )
+
+    @staticmethod
+    def _norm_args(norm: tuple[Tensor, float] | None, k: int) -> tuple[int | None, float]:
+        """(weight pointer or None, eps) of an RMSNorm folded into a call's x copy."""
+        if norm is None:
+            return None, 0.0
+        weight, eps = norm
+        if weight.shape != (k,) or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+            raise ValueError(f"norm weight must be contiguous bf16 [{k}]: got {weight.dtype} "
+                             f"{tuple(weight.shape)}")  # fmt: skip
+        return weight.data_ptr(), eps
 
 
 def _check(kernel: Bf16Kernel) -> str | None:
