@@ -31,6 +31,7 @@ from tailguard.model.kernels import (
 from tailguard.model.kernels.attn_bf16 import (
     PrefillAttention,
     load_prefill_attention,
+    paged,
     prefill_attention_unavailable_reason,
 )
 from tailguard.model.kernels.attn_bf16 import _check as prefill_check
@@ -551,6 +552,49 @@ def test_prefill_attention_matches_sdpa_in_fp32(
     assert err <= 1.5 * (sdpa - want).abs().max().item() + 1e-2
 
 
+@pytest.mark.parametrize("window", [0, 100])
+def test_prefill_attention_reads_later_chunks_keys_from_the_cache(
+    kernel: Bf16Kernel, amx: bool, window: int
+) -> None:
+    """Later chunks of prompts longer than a step (M's heads: 16 / 4, head_dim 64): 172
+    queries at positions 128-299 and a 1-query chunk at 299 read their keys from paged caches
+    of shuffled blocks, beside a 40-token first chunk and a padding row; each as the whole
+    prompt's attention gives those rows, within what bf16 SDPA is off fp32."""
+    attn = _prefill_or_fail(kernel)
+    nh, nkv, hd, bs = 16, 4, 64, 16
+    g = torch.Generator().manual_seed(12)
+    width = (nh + 2 * nkv) * hd
+    long_a, long_b, first = (torch.randn(n, width, generator=g).bfloat16() for n in (300, 300, 40))
+    (ka, va, ta), (kb, vb, tb) = (paged(p, nh, nkv, hd, bs, seed) for p, seed in
+                                  ((long_a, 1), (long_b, 2)))  # fmt: skip
+    nb = ka.shape[0]  # one cache for both prompts: b's blocks after a's (block 0 the null)
+    k_cache, v_cache = torch.cat((ka, kb[1:])), torch.cat((va, vb[1:]))
+    tables = torch.zeros(4, ta.shape[1], dtype=torch.long)
+    tables[0], tables[1] = ta[0], tb[0] + nb - 1
+    qkv = torch.cat((long_a[128:], long_b[299:], first))  # rows 0-171, 172, 173-212
+    t = qkv.shape[0]
+    out = torch.zeros(t + 1, nh * hd, dtype=torch.bfloat16)
+    attn.attend(
+        qkv, torch.tensor([0, 172, 173, t]), torch.tensor([172, 1, 40, 1]), nh, nkv, hd, window,
+        out, 2, starts=torch.tensor([128, 299, 0, 0]), cache=(k_cache, v_cache, tables),
+    )  # fmt: skip
+    for dtype in (torch.float32, torch.bfloat16):
+        want = torch.cat((
+            prefill_reference(long_a, [0], [300], nh, nkv, hd, window, dtype)[128:300],
+            prefill_reference(long_b, [0], [300], nh, nkv, hd, window, dtype)[299:300],
+            prefill_reference(first, [0], [40], nh, nkv, hd, window, dtype)[:40],
+        ))  # fmt: skip
+        if dtype == torch.float32:
+            err = (out[:t].float() - want).abs().max().item()
+            exact = want
+        else:
+            assert err <= 1.5 * (want - exact).abs().max().item() + 1e-2, err
+    assert torch.equal(out[t], torch.zeros(nh * hd, dtype=torch.bfloat16))  # padding row
+    with pytest.raises(ValueError, match="refused its arguments"):  # a later chunk, no cache
+        attn.attend(qkv, torch.tensor([0]), torch.tensor([172]), nh, nkv, hd, 0, out, 2,
+                    starts=torch.tensor([128]))  # fmt: skip
+
+
 def test_prefill_attention_refuses_shapes_it_does_not_take(kernel: Bf16Kernel) -> None:
     attn = _prefill_or_fail(kernel)
     assert not attn.applies(16, 4, 48) and not attn.applies(32, 2, 64)
@@ -579,6 +623,16 @@ def test_prefill_attention_self_check_catches_a_wrong_kernel(kernel: Bf16Kernel)
     assert "prefill attention self-check failed" in (prefill_check(Shifted()) or "")  # type: ignore[arg-type]
 
 
+def _bf16_model(folder: Path, kernel: Bf16Kernel, attn: PrefillAttention | None) -> MistralModel:
+    """A bf16 model on the linear kernel and the row kernels, the prefill attention bound
+    where `attn` is given."""
+    m, _ = load_model(folder, dtype=torch.bfloat16)
+    assert m.use_row_kernel(load_row_kernel())
+    m.prepack(kernel=kernel)
+    assert m.use_prefill_attention(attn) == (attn is not None)
+    return m
+
+
 def test_model_prefill_on_the_kernel_is_as_close_to_fp32_as_sdpa(
     kernel: Bf16Kernel, amx: bool, tmp_path: Path
 ) -> None:
@@ -588,13 +642,7 @@ def test_model_prefill_on_the_kernel_is_as_close_to_fp32_as_sdpa(
     attn = _prefill_or_fail(kernel)
     folder = make_checkpoint(tmp_path / "ckpt", dataclasses.replace(TINY, head_dim=32))
     exact, _ = load_model(folder, dtype=torch.float32)
-    models = []
-    for use in (False, True):
-        m, _ = load_model(folder, dtype=torch.bfloat16)
-        assert m.use_row_kernel(load_row_kernel())
-        m.prepack(kernel=kernel)
-        assert m.use_prefill_attention(attn if use else None) == use
-        models.append(m)
+    models = [_bf16_model(folder, kernel, attn if use else None) for use in (False, True)]
     steps = [[[(0, [5, 9, 17, 3, 22, 8, 1, 40, 2] * 3), (1, [40, 2]), (2, [7] * 14)]]]
     steps += [[[(i, [11 + i + j]) for i in range(3)]] for j in range(2)]
     caches = [PagedCache(m.config, 80, 4, m.dtype) for m in (exact, *models)]
@@ -610,6 +658,38 @@ def test_model_prefill_on_the_kernel_is_as_close_to_fp32_as_sdpa(
     assert not narrow.use_prefill_attention(attn)  # head_dim 16
     plain, _ = load_model(folder, dtype=torch.bfloat16)
     assert not plain.use_prefill_attention(attn)  # RoPE not on the row kernel
+
+
+def test_model_prompt_chunks_after_the_first_run_on_the_kernel(
+    kernel: Bf16Kernel, amx: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt longer than a step: its second and third chunks (positions 24-39, 40-44)
+    attend on the kernel, their earlier keys read from the paged cache, as close to the fp32
+    model's logits as the SDPA path (gathers and an additive mask) is; every layer's call
+    carries the chunk's start."""
+    attn = _prefill_or_fail(kernel)
+    folder = make_checkpoint(tmp_path / "ckpt", dataclasses.replace(TINY, head_dim=32))
+    exact, _ = load_model(folder, dtype=torch.float32)
+    models = [_bf16_model(folder, kernel, attn if use else None) for use in (False, True)]
+    prompt = [5, 9, 17, 3, 22, 8, 1, 40, 2] * 5
+    steps = [[[(0, prompt[:24]), (1, [7] * 10)]], [[(0, prompt[24:40])]], [[(0, prompt[40:])]]]
+    starts: list[list[int]] = []
+    real = type(attn).attend
+
+    def counted(self: PrefillAttention, *a: object, **k: object) -> None:
+        st = k.get("starts")
+        starts.append(st.tolist() if isinstance(st, torch.Tensor) else [])
+        real(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(type(attn), "attend", counted)
+    caches = [PagedCache(m.config, 80, 4, m.dtype) for m in (exact, *models)]
+    for groups in steps:
+        _, ref, _ = caches[0].run(exact, groups)
+        sdpa, ours = (c.run(m, groups)[1].float() for c, m in zip(caches[1:], models, strict=True))
+        sdpa_err, ours_err = ((x - ref).abs().max().item() for x in (sdpa, ours))
+        assert ours_err <= 1.5 * sdpa_err + 1e-2, (groups, ours_err, sdpa_err)
+    layers = models[1].config.num_hidden_layers
+    assert starts == [[0, 0]] * layers + [[24]] * layers + [[40]] * layers
 
 
 def test_model_prefill_with_the_fused_silu_gives_the_same_bits(

@@ -31,7 +31,9 @@ from tailguard.model.kernels.rows import MAX_BF16_HEAD_DIM, MAX_REP
 from tailguard.model.linear import KernelLinear, PackedLinear, can_prepack
 from tailguard.model.paged import (
     CAUSAL,
+    CHUNKED,
     CausalMask,
+    ChunkMask,
     KVCache,
     Mask,
     allocate_kv_cache,
@@ -150,12 +152,17 @@ class Attention(nn.Module):
                     torch.get_num_threads(),
                 )  # fmt: skip
                 continue
-            if self.prefill is not None and isinstance(mask, CausalMask) and rope is not None:
-                self.prefill.attend(
-                    qkv, group.token_index[:, 0], group.context_lens, self.n_head, self.n_kv,
-                    self.head_dim, self.window, out, torch.get_num_threads(),
-                )  # fmt: skip
-                continue
+            if isinstance(mask, ChunkMask):
+                if self.prefill is not None and rope is not None:
+                    self.prefill.attend(
+                        qkv, group.token_index[:, 0], group.context_lens - group.query_start,
+                        self.n_head, self.n_kv, self.head_dim, self.window, out,
+                        torch.get_num_threads(), starts=group.query_start,
+                        cache=(k_cache, v_cache, group.block_tables),
+                    )  # fmt: skip
+                    continue
+                kv_len = group.block_tables.shape[1] * k_cache.shape[1]
+                mask = attention_mask(group, n_tok, kv_len, self.window or None, x.dtype)
             if q_ext is None:
                 q_ext = torch.cat((q, q.new_zeros(1, self.n_head, self.head_dim)))
             self.attend(q_ext, group, mask, k_cache, v_cache, out)
@@ -277,6 +284,7 @@ class MistralModel(nn.Module):
         self.config = config
         self._head_packed: nn.Module | None = None  # the output head after prepack()
         self.row_kernel: RowKernel | None = None  # set by use_row_kernel() on every layer
+        self.prefill_kernel: PrefillAttention | None = None  # set by use_prefill_attention()
         self._stack: _BoundStack | None = None  # set by use_decode_stack()
         # Initialised by hand and not on the meta device (the loader builds there and assigns
         # real tensors): normal_() on meta pulls in torch's Python reference kernels, a one-off
@@ -318,12 +326,15 @@ class MistralModel(nn.Module):
     def _group_mask(self, group: AttnGroup, x: Tensor, block_size: int) -> Mask:
         """How a group attends in every layer of this step: None for a decode group on the row
         kernel (fp32 or bf16, any context: it reads the paged cache in place, 0.5-0.6x the time
-        of gathering and SDPA at 512-1,024 tokens in bf16), CAUSAL for first chunks on CPU
+        of gathering and SDPA at 512-1,024 tokens in bf16), CHUNKED for prompt chunks on the
+        bf16 prefill kernel (first or later chunks), CAUSAL for first chunks on CPU otherwise
         (SDPA's causal flag skips the hidden half), else the additive mask."""
         q_len = group.token_index.shape[1]
         kv_len = group.block_tables.shape[1] * block_size
         if self.row_kernel is not None and q_len == 1:
             return None
+        if self.prefill_kernel is not None and q_len > 1:
+            return CHUNKED
         window = self.config.sliding_window
         if (
             group.from_start
@@ -362,10 +373,11 @@ class MistralModel(nn.Module):
         return ok
 
     def use_prefill_attention(self, kernel: PrefillAttention | None) -> bool:
-        """Run first chunks' causal attention (CAUSAL groups) on `kernel` (attn_bf16.c) where
-        it applies: a CPU bf16 model whose RoPE runs in place on the row kernel (the kernel
-        reads queries, keys and values from the rotated qkv rows), head_dim a multiple of 32.
-        Returns whether it does."""
+        """Run prompt chunks' causal attention (CHUNKED groups: first chunks, and later chunks
+        of prompts longer than a step's budget, which read their earlier keys from the paged
+        cache) on `kernel` (attn_bf16.c) where it applies: a CPU bf16 model whose RoPE runs in
+        place on the row kernel (the kernel reads queries, and a first chunk's keys and values,
+        from the rotated qkv rows), head_dim a multiple of 32. Returns whether it does."""
         c = self.config
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         ok = (
@@ -377,6 +389,7 @@ class MistralModel(nn.Module):
         )
         for ly in layers:
             ly.attn.prefill = kernel if ok else None
+        self.prefill_kernel = kernel if ok else None
         return ok
 
     def use_decode_stack(self, stack: DecodeStack | None, kv_caches: KVCache) -> bool:

@@ -10,7 +10,16 @@ from torch import Tensor
 from tailguard.model.batch import AttnGroup
 from tailguard.model.config import MistralConfig
 
-__all__ = ["CAUSAL", "CausalMask", "KVCache", "Mask", "allocate_kv_cache", "attention_mask"]
+__all__ = [
+    "CAUSAL",
+    "CHUNKED",
+    "CausalMask",
+    "ChunkMask",
+    "KVCache",
+    "Mask",
+    "allocate_kv_cache",
+    "attention_mask",
+]
 
 KVCache = list[tuple[Tensor, Tensor]]
 
@@ -44,7 +53,17 @@ class CausalMask:
 
 
 CAUSAL = CausalMask()
-Mask = Tensor | CausalMask | None  # a group's attention in one step: see MistralModel._group_mask
+
+
+class ChunkMask:
+    """How a group of prompt chunks attends where the bf16 prefill kernel (attn_bf16.c) runs
+    them: each sequence's query i at position query_start + i sees the keys up to it (the
+    sliding window honoured), a first chunk's from its own qkv rows, a later chunk's from the
+    paged cache. No mask tensor is built."""
+
+
+CHUNKED = ChunkMask()
+Mask = Tensor | CausalMask | ChunkMask | None  # a group's attention: MistralModel._group_mask
 
 
 def attention_mask(

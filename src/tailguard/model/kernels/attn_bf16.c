@@ -6,8 +6,11 @@
  * prefill step, where the same cores multiply bf16 matrices at ~425 GFLOP/s
  * (docs/benchmarks.md, issue 12, session 30).
  *
- * Each sequence's keys and values are its own chunk's rows of the qkv projection (a first
- * chunk: position i is row first + i), read there after RoPE, not gathered from the cache.
+ * A first chunk's keys and values are its own rows of the qkv projection (position i is row
+ * first + i), read there after RoPE, not gathered from the cache; a later chunk of a prompt
+ * longer than a step (positions start + i) gathers all its start + len keys and values from
+ * the paged cache through its block table (session 33: torch's SDPA with gathers and an
+ * additive mask had taken those, and a 4 x 2,040-token prefill went 4.3 -> 3.3-3.4 s).
  * Per (sequence, KV head): K packed as a weight [keys, hd] and V^T as a weight [hd, keys]
  * (pairs of keys side by side). Per block of 12 query rows (12 / rep positions x the rep query
  * heads of that KV head, so every key panel serves all of them):
@@ -87,13 +90,13 @@ static void product(const uint16_t *a, long lda, const uint16_t *w, long kp_n, f
     panel_t(a, lda, w, kp_n, c, ldc, P, AR, 1, 1);
 }
 
-/* One block: query rows of positions [t0, t0 + npos) x rep heads of KV head g; ar rows a
- * block (AR, or AR_AMX on tiles). */
-static void attend_block(const uint16_t *qkv, long ld, long first, long n, long t0, long npos,
-                         long rep, long g, long hd, float scale, long window,
+/* One block: the chunk's query rows [t0, t0 + npos) (positions start + t0 ...) x rep heads of
+ * KV head g, against the n keys packed in kp / vt; ar rows a block (AR, or AR_AMX on tiles). */
+static void attend_block(const uint16_t *qkv, long ld, long first, long start, long n, long t0,
+                         long npos, long rep, long g, long hd, float scale, long window,
                          const uint16_t *kp, const uint16_t *vt, uint16_t *out, long out_ld,
                          uint16_t *qb, float *s, uint16_t *pb, float *o, int amx) {
-    long kmax = t0 + npos, np = (kmax + P - 1) / P, spad = np * P;
+    long kmax = start + t0 + npos, np = (kmax + P - 1) / P, spad = np * P;
     long ppad = amx ? (kmax + 31) / 32 * 32 : (kmax + 1) / 2 * 2, ar = amx ? AR_AMX : AR;
     memset(qb, 0, (size_t)ar * hd * sizeof(uint16_t));
     for (long i = 0; i < npos; i++)
@@ -105,7 +108,7 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long n, long 
         product(qb, hd, kp + p * kstride, hd / 2, s + p * P, spad, amx);
     float inv[AR_MAX];
     for (long r = 0; r < npos * rep; r++) {
-        long tq = t0 + r / rep, lo = window > 0 && tq + 1 > window ? tq + 1 - window : 0;
+        long tq = start + t0 + r / rep, lo = window > 0 && tq + 1 > window ? tq + 1 - window : 0;
         float *sr = s + r * spad, m = span_max(sr, lo, tq);
         uint16_t *pr = pb + r * ppad;
         float total = 0.0f;
@@ -153,21 +156,41 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long n, long 
 
 #endif
 
+/* Keys or values [0, n) of KV head g of one sequence, gathered from the paged cache
+ * ([blocks][bs][nkv][hd] bf16) through its block table into dst [n][hd]. */
+static void gather_cache(const uint16_t *cache, const long *table, long bs, long nkv, long g,
+                         long hd, long n, uint16_t *dst) {
+    for (long j = 0; j < n; j++)
+        memcpy(dst + j * hd, cache + ((table[j / bs] * bs + j % bs) * nkv + g) * hd,
+               (size_t)hd * sizeof(uint16_t));
+}
+
 /* For each sequence s with firsts[s] < T: its lens[s] queries at rows firsts[s] + i of qkv [T,
- * ld] (query head h at column h hd, keys at nh hd + g hd, values at (nh + nkv) hd + g hd)
- * attend causally (query i to keys max(0, i + 1 - window) .. i; window 0: none) among the
- * same rows; results to out[(firsts[s] + i) * out_ld + h hd]. Returns 0, -1 on shapes it does
- * not take (hd % 32, nh / nkv > 12), -2 without memory, -3 without AVX512-BF16. */
+ * ld] (query head h at column h hd, keys at nh hd + g hd, values at (nh + nkv) hd + g hd),
+ * at positions starts[s] + i (starts NULL: all 0), attend causally (position p to keys
+ * max(0, p + 1 - window) .. p; window 0: none); results to out[(firsts[s] + i) * out_ld + h hd].
+ * A first chunk (start 0) reads its keys and values from its own qkv rows; a later chunk of a
+ * prompt reads all its start + len keys from the paged cache (k_cache / v_cache
+ * [blocks][block_size][nkv][hd], through tables[s * tbl_ld ...]), which holds this chunk's
+ * keys too (the caller writes them first). Returns 0, -1 on shapes or arguments it does not
+ * take (hd % 32, nh / nkv > 12, a start without a cache), -2 without memory, -3 without
+ * AVX512-BF16. */
 int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *firsts,
-                              const long *lens, long nseq, long nh, long nkv, long hd,
-                              float scale, long window, uint16_t *out, long out_ld,
-                              int nthreads) {
+                              const long *lens, const long *starts, long nseq, long nh, long nkv,
+                              long hd, float scale, long window, const uint16_t *k_cache,
+                              const uint16_t *v_cache, const long *tables, long tbl_ld,
+                              long block_size, uint16_t *out, long out_ld, int nthreads) {
 #if !TG_BF16
-    (void)qkv, (void)ld, (void)T, (void)firsts, (void)lens, (void)nseq, (void)nh, (void)nkv;
-    (void)hd, (void)scale, (void)window, (void)out, (void)out_ld, (void)nthreads;
+    (void)qkv, (void)ld, (void)T, (void)firsts, (void)lens, (void)starts, (void)nseq, (void)nh;
+    (void)nkv, (void)hd, (void)scale, (void)window, (void)k_cache, (void)v_cache, (void)tables;
+    (void)tbl_ld, (void)block_size, (void)out, (void)out_ld, (void)nthreads;
     return -3;
 #else
     if (nh % nkv || hd % P || nh / nkv > AR || nseq < 0) return -1;
+    int cached = 0; /* some chunk reads the cache */
+    for (long s = 0; s < nseq && starts; s++)
+        cached |= firsts[s] < T && starts[s] > 0;
+    if (cached && (!k_cache || !v_cache || !tables || block_size < 1)) return -1;
 #if TG_AMX
     const int amx = g_amx;
 #else
@@ -182,14 +205,15 @@ int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *
     }
     off[0] = boff[0] = 0;
     for (long s = 0; s < nseq; s++) {
-        long n = firsts[s] < T ? lens[s] : 0;
-        maxn = n > maxn ? n : maxn;
-        off[s + 1] = off[s] + nkv * packed_kv(n, hd);
+        long n = firsts[s] < T ? lens[s] : 0, nk = n ? n + (starts ? starts[s] : 0) : 0;
+        maxn = nk > maxn ? nk : maxn;
+        off[s + 1] = off[s] + nkv * packed_kv(nk, hd);
         boff[s + 1] = boff[s] + (n + npos - 1) / npos;
     }
     nblocks = boff[nseq] * nkv;
     long spad = (maxn + P - 1) / P * P, ppad = (maxn + 31) / 32 * 32;
-    long per_thread = AR_MAX * (hd * 2 + spad * 4 + ppad * 2 + hd * 4) + 4 * 64;
+    long gathered = cached ? 2 * maxn * hd * 2 : 0; /* a cached chunk's K and V rows */
+    long per_thread = AR_MAX * (hd * 2 + spad * 4 + ppad * 2 + hd * 4) + gathered + 5 * 64;
     uint16_t *packs = malloc((size_t)(off[nseq] > 0 ? off[nseq] : 1) * sizeof(uint16_t));
     char *scratch = malloc((size_t)per_thread * (size_t)nthreads);
     int failed = !packs || !scratch;
@@ -206,19 +230,29 @@ int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *
             float *sc = (float *)(mine + AR_MAX * hd * 2);
             uint16_t *pb = (uint16_t *)((char *)sc + AR_MAX * spad * 4);
             float *o = (float *)((char *)pb + AR_MAX * ppad * 2);
+            uint16_t *kg = (uint16_t *)((char *)o + AR_MAX * hd * 4), *vg = kg + maxn * hd;
 #if TG_AMX
             if (amx) amx_configure(AMX_M);
 #endif
 #pragma omp for collapse(2) schedule(static)
             for (long s = 0; s < nseq; s++)
                 for (long g = 0; g < nkv; g++) {
-                    long n = firsts[s] < T ? lens[s] : 0;
+                    long n = firsts[s] < T ? lens[s] : 0, start = starts ? starts[s] : 0;
                     if (n == 0) continue;
-                    uint16_t *kp = packs + off[s] + g * packed_kv(n, hd);
+                    long nk = start + n;
+                    uint16_t *kp = packs + off[s] + g * packed_kv(nk, hd);
+                    uint16_t *vp = kp + (nk + P - 1) / P * (hd / 2) * 2 * P;
+                    if (start > 0) {
+                        const long *table = tables + s * tbl_ld;
+                        gather_cache(k_cache, table, block_size, nkv, g, hd, nk, kg);
+                        gather_cache(v_cache, table, block_size, nkv, g, hd, nk, vg);
+                        pack_rows(kg, hd, kp, nk, hd);
+                        pack_vt(vg, hd, nk, hd, vp);
+                        continue;
+                    }
                     const uint16_t *rows = qkv + firsts[s] * ld;
                     pack_rows(rows + nq + g * hd, ld, kp, n, hd);
-                    pack_vt(rows + nq + nkv * hd + g * hd, ld, n, hd,
-                            kp + (n + P - 1) / P * (hd / 2) * 2 * P);
+                    pack_vt(rows + nq + nkv * hd + g * hd, ld, n, hd, vp);
                 }
             /* (implicit barrier: every K and V^T packed) */
 /* guided: a causal block's cost grows with its position; one block at a time (dynamic, 1)
@@ -227,11 +261,11 @@ int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *
             for (long b = 0; b < nblocks; b++) {
                 long g = b % nkv, blk = b / nkv, s = 0;
                 while (boff[s + 1] <= blk) s++;
-                long n = lens[s], t0 = (blk - boff[s]) * npos;
-                long k = npos < n - t0 ? npos : n - t0;
-                const uint16_t *kp = packs + off[s] + g * packed_kv(n, hd);
-                attend_block(qkv, ld, firsts[s], n, t0, k, rep, g, hd, scale, window, kp,
-                             kp + (n + P - 1) / P * (hd / 2) * 2 * P, out, out_ld, qb, sc, pb,
+                long n = lens[s], t0 = (blk - boff[s]) * npos, start = starts ? starts[s] : 0;
+                long k = npos < n - t0 ? npos : n - t0, nk = start + n;
+                const uint16_t *kp = packs + off[s] + g * packed_kv(nk, hd);
+                attend_block(qkv, ld, firsts[s], start, nk, t0, k, rep, g, hd, scale, window, kp,
+                             kp + (nk + P - 1) / P * (hd / 2) * 2 * P, out, out_ld, qb, sc, pb,
                              o, amx);
             }
 #if TG_AMX
@@ -244,4 +278,4 @@ int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *
 #endif
 }
 
-int tg_attn_bf16_abi(void) { return 2; }
+int tg_attn_bf16_abi(void) { return 3; }

@@ -6,9 +6,11 @@ CPU has them (`use_amx`, as the bf16 linear kernel; session 31).
     kernel = load_prefill_attention()   # None, with one logged line saying why, if unavailable
     kernel.attend(qkv, firsts, lens, nh, nkv, hd, window, out, threads)
 
-qkv [T, (nh + 2 nkv) hd] bf16 after RoPE: sequence s's queries, keys and values are its rows
-firsts[s] .. firsts[s] + lens[s] - 1 (a first chunk: row i is position i). Built and cached like
-the other kernels (build.py) and checked against torch's SDPA in fp32 before use.
+qkv [T, (nh + 2 nkv) hd] bf16 after RoPE: sequence s's queries are its rows firsts[s] ..
+firsts[s] + lens[s] - 1; a first chunk's keys and values are the same rows (row i is position
+i), a later chunk's (`starts`: positions starts[s] + i) are read from the paged cache (`cache`).
+Built and cached like the other kernels (build.py) and checked against torch's SDPA in fp32
+before use, a later chunk included.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tailguard.model.kernels.small_m_bf16 import AmxPath, check_each_path
 __all__ = ["PrefillAttention", "load_prefill_attention", "prefill_attention_unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("attn_bf16.c")
-ABI = 2
+ABI = 3
 HD_MULTIPLE = 32  # head_dim must be whole panels of 32 (attn_bf16.c)
 MAX_REP = 12  # query heads per KV head (one block of 12 query rows holds them)
 
@@ -39,10 +41,12 @@ class PrefillAttention(AmxPath):
         c_long, c_void_p = ctypes.c_long, ctypes.c_void_p
         fn = lib.tg_prefill_attention_bf16
         fn.restype = ctypes.c_int
-        # qkv, ld, T, firsts, lens, nseq, nh, nkv, hd, scale, window, out, out_ld, threads
+        # qkv, ld, T, firsts, lens, starts, nseq, nh, nkv, hd, scale, window, k_cache,
+        # v_cache, tables, tbl_ld, block_size, out, out_ld, threads
         fn.argtypes = [
-            c_void_p, c_long, c_long, c_void_p, c_void_p, c_long, c_long, c_long, c_long,
-            ctypes.c_float, c_long, c_void_p, c_long, ctypes.c_int,
+            c_void_p, c_long, c_long, c_void_p, c_void_p, c_void_p, c_long, c_long, c_long,
+            c_long, ctypes.c_float, c_long, c_void_p, c_void_p, c_void_p, c_long, c_long,
+            c_void_p, c_long, ctypes.c_int,
         ]  # fmt: skip
         self._fn = fn
         self._bind_amx(lib)
@@ -63,13 +67,32 @@ class PrefillAttention(AmxPath):
         window: int,  # 0: none
         out: Tensor,  # [>= T, nh hd] bf16, rows written at each sequence's query rows
         threads: int,
+        starts: Tensor | None = None,  # [G] int64: each chunk's first position (None: all 0)
+        cache: tuple[Tensor, Tensor, Tensor] | None = None,  # k, v [blocks, bs, nkv, hd], tables
     ) -> None:
+        """Causal attention of each sequence's chunk. A chunk at start 0 reads its keys and
+        values from its own qkv rows; a later chunk (starts[s] > 0) reads all its start + len
+        keys from `cache` (k_cache, v_cache bf16 contiguous, block tables [G, B] int64), which
+        must already hold this chunk's own."""
         if qkv.dtype != torch.bfloat16 or not qkv.is_contiguous() or out.stride(1) != 1:
             raise ValueError("prefill attention takes contiguous bf16 qkv and unit-stride out")
         firsts, lens = firsts.contiguous(), lens.contiguous()
+        st = None if starts is None else starts.contiguous()
+        k_ptr = v_ptr = t_ptr = None
+        tbl_ld = block_size = 0
+        if cache is not None:
+            k_cache, v_cache, tables = cache
+            if k_cache.dtype != torch.bfloat16 or not (
+                k_cache.is_contiguous() and v_cache.is_contiguous()
+            ):
+                raise ValueError("prefill attention reads a contiguous bf16 KV cache")
+            tables = tables.contiguous()
+            k_ptr, v_ptr, t_ptr = k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr()
+            tbl_ld, block_size = tables.shape[1], k_cache.shape[1]
         rc = self._fn(
             qkv.data_ptr(), qkv.shape[1], qkv.shape[0], firsts.data_ptr(), lens.data_ptr(),
-            firsts.shape[0], nh, nkv, hd, hd**-0.5, window, out.data_ptr(), out.stride(0),
+            None if st is None else st.data_ptr(), firsts.shape[0], nh, nkv, hd, hd**-0.5,
+            window, k_ptr, v_ptr, t_ptr, tbl_ld, block_size, out.data_ptr(), out.stride(0),
             threads,
         )  # fmt: skip
         if rc == -3:
@@ -134,7 +157,53 @@ def _check_path(kernel: PrefillAttention) -> str | None:
         err = (out.float() - want).abs().max().item()
         if not err < 0.03 * max(1.0, want.abs().max().item()):
             return f"prefill attention self-check failed: max error {err:.3g} ({nh=} {window=})"
+    return _check_later_chunk(kernel, g)
+
+
+def _check_later_chunk(kernel: PrefillAttention, g: torch.Generator) -> str | None:
+    """A prompt's later chunk (positions 25..44, its keys in a paged cache of shuffled
+    blocks) beside a first chunk of 30, with a window of 9, against `reference` of the
+    whole prompt."""
+    nh, nkv, hd, window = 8, 2, 32, 9
+    prompt = torch.randn(45, (nh + 2 * nkv) * hd, generator=g).bfloat16()
+    first = torch.randn(30, (nh + 2 * nkv) * hd, generator=g).bfloat16()
+    qkv = torch.cat((prompt[25:], first))
+    k_cache, v_cache, table = paged(prompt, nh, nkv, hd, block_size=4)
+    out = torch.zeros(qkv.shape[0] + 1, nh * hd, dtype=torch.bfloat16)
+    try:
+        kernel.attend(
+            qkv, torch.tensor([0, 20]), torch.tensor([20, 30]), nh, nkv, hd, window, out, 2,
+            starts=torch.tensor([25, 0]),
+            cache=(k_cache, v_cache, torch.cat((table, torch.zeros_like(table)))),
+        )  # fmt: skip
+    except ValueError as exc:
+        return f"prefill attention self-check failed: {exc}"
+    want = torch.cat((
+        reference(prompt, [0], [45], nh, nkv, hd, window)[25:45],
+        reference(first, [0], [30], nh, nkv, hd, window)[:30],
+    ))  # fmt: skip
+    err = (out[:50].float() - want).abs().max().item()
+    if not err < 0.03 * max(1.0, want.abs().max().item()):
+        return f"prefill attention self-check failed on a later chunk: max error {err:.3g}"
     return None
+
+
+def paged(
+    rows: Tensor, nh: int, nkv: int, hd: int, block_size: int, seed: int = 0
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(k_cache, v_cache, block table [1, B]): a paged cache holding the keys and values of
+    one sequence's qkv rows (positions 0..n-1) in shuffled blocks, block 0 left empty as the
+    engine's null block; what a later chunk of that sequence reads."""
+    n = rows.shape[0]
+    nb = -(-n // block_size)
+    order = torch.randperm(nb, generator=torch.Generator().manual_seed(seed)) + 1
+    k_cache = torch.zeros(nb + 1, block_size, nkv, hd, dtype=rows.dtype)
+    v_cache = torch.zeros_like(k_cache)
+    for j in range(n):
+        b, o = int(order[j // block_size]), j % block_size
+        k_cache[b, o] = rows[j, nh * hd : (nh + nkv) * hd].view(nkv, hd)
+        v_cache[b, o] = rows[j, (nh + nkv) * hd :].view(nkv, hd)
+    return k_cache, v_cache, order[None, :]
 
 
 _LOADER: Loader[PrefillAttention] = Loader(
