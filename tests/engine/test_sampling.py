@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 import torch
+from tests.model.model_testkit import built_or_skip
 
 from tailguard.engine import sampling
 from tailguard.engine.sampling import greedy_rows
 from tailguard.model.kernels import load_row_kernel
+from tailguard.model.kernels.rows import row_kernel_unavailable_reason
 
 KERNEL = load_row_kernel()
 
@@ -25,11 +27,10 @@ def _gen(seed: int) -> torch.Generator:
 def sample_rows(request: pytest.FixtureRequest) -> Callable[..., list[int]]:
     if request.param == "torch":
         return sampling.sample_rows
-    if KERNEL is None:
-        pytest.skip("the row kernels could not be built here (no C compiler?)")
+    kernel = built_or_skip(KERNEL, row_kernel_unavailable_reason(), "row kernels")
 
     def with_kernel(*args: Any, **kwargs: Any) -> list[int]:
-        return sampling.sample_rows(*args, kernel=KERNEL, **kwargs)
+        return sampling.sample_rows(*args, kernel=kernel, **kwargs)
 
     return with_kernel
 
@@ -105,13 +106,12 @@ def test_rows_of_a_larger_batch_are_sampled_in_place(
 def test_both_paths_draw_the_same_tokens_from_the_same_uniforms() -> None:
     """Same generator state, same picks: the kernel locates the same uniform in the same
     distribution (a pick may differ only where float rounding moves a boundary)."""
-    if KERNEL is None:
-        pytest.skip("the row kernels could not be built here (no C compiler?)")
+    kernel = built_or_skip(KERNEL, row_kernel_unavailable_reason(), "row kernels")
     logits = torch.randn(400, 3000, generator=_gen(12)) * 2
     temps = [0.3 + (i % 7) * 0.3 for i in range(400)]
     ones = [1.0] * 400
     plain = sampling.sample_rows(logits, temps, ones, [None] * 400, _gen(13))
-    fast = sampling.sample_rows(logits, temps, ones, [None] * 400, _gen(13), kernel=KERNEL)
+    fast = sampling.sample_rows(logits, temps, ones, [None] * 400, _gen(13), kernel=kernel)
     assert sum(a != b for a, b in zip(plain, fast, strict=True)) <= 2
 
 

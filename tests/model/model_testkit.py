@@ -10,7 +10,9 @@ including padding tokens, padded query rows, padded table columns and fully padd
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
+import pytest
 import torch
 
 from tailguard.model.batch import NULL_BLOCK, AttnGroup, ForwardBatch
@@ -153,3 +155,18 @@ class PagedCache:
         with torch.inference_mode():
             hidden = model(batch, self.kv)
             return hidden, model.compute_logits(hidden), last
+
+
+T = TypeVar("T")
+
+
+def built_or_skip(kernel: T | None, why: str | None, what: str) -> T:
+    """A compiled kernel for a test: a skip only where this machine has no C compiler or the
+    CPU lacks the instructions; a kernel that builds but fails its self-check is a failure,
+    so a broken kernel never turns its tests into skips."""
+    if kernel is not None:
+        return kernel
+    reason = why or "?"
+    if "no C compiler" in reason or "this CPU has no" in reason:
+        pytest.skip(f"{what} unavailable here: {reason}")
+    pytest.fail(f"{what} unavailable: {reason}")

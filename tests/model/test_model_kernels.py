@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.model.model_testkit import PagedCache, make_checkpoint
+from tests.model.model_testkit import PagedCache, built_or_skip, make_checkpoint
 
 from tailguard.core.request import EngineRequest, SamplingParams
 from tailguard.engine.config import EngineConfig
@@ -33,7 +33,7 @@ from tailguard.model.kernels.decode import (
     load_decode_stack,
 )
 from tailguard.model.kernels.decode import self_check as decode_self_check
-from tailguard.model.kernels.rows import self_check
+from tailguard.model.kernels.rows import row_kernel_unavailable_reason, self_check
 from tailguard.model.loader import load_model
 from tailguard.model.mistral import (
     Attention,
@@ -50,10 +50,7 @@ from tailguard.model.mistral import (
 @pytest.fixture(scope="session")
 def kernel() -> SmallMKernel:
     """Built once per machine (cached under ~/.cache/tailguard/kernels), loaded once per session."""
-    k = load_small_m_kernel()
-    if k is None:
-        pytest.skip(f"small-M kernel unavailable here: {small_m_unavailable_reason()}")
-    return k
+    return built_or_skip(load_small_m_kernel(), small_m_unavailable_reason(), "small-M kernel")
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -266,10 +263,7 @@ def test_engine_greedy_tokens_identical_with_and_without_kernel(kernel: SmallMKe
 
 
 def _row_kernel_or_skip() -> RowKernel:
-    kernel = load_row_kernel()
-    if kernel is None:
-        pytest.skip("the row kernels could not be built here (no C compiler?)")
-    return kernel
+    return built_or_skip(load_row_kernel(), row_kernel_unavailable_reason(), "row kernels")
 
 
 # Three sequences (9, 2 and 21 prompt tokens) prefilled in one step, then two decode steps
@@ -359,8 +353,7 @@ def test_engine_generates_the_same_tokens_with_the_decode_attention_kernel(
 ) -> None:
     """Greedy generation on the embedded model, row kernels on and off: same tokens. In fp32,
     the kernels' dtype: `auto` serves bf16 on a CPU with native bf16, where they stay off."""
-    if load_row_kernel() is None:
-        pytest.skip("the row kernels could not be built here (no C compiler?)")
+    _row_kernel_or_skip()
     model = default_model_dir()
     rng = random.Random(0)
     prompts = [tuple(rng.randrange(3, 32000) for _ in range(rng.randint(3, 90))) for _ in range(12)]

@@ -214,20 +214,53 @@ struct amx_epilogue {
     long ldres;
 };
 
+/* Where amx_blocked reads x: every block of 32 rows copied into `blocks` (zero-padded, each
+ * k-step's two A tiles side by side: amx_copy_blocks), or, with rows set, blocks [0, full)
+ * read in place (rows ld apart) and only a partial last block copied (blocks' block 0). */
+struct amx_x {
+    const uint16_t *blocks, *rows;
+    long ld, full;
+};
+
+/* Block blk's first k-step in x: returns its first A tile; *ld_bytes the tiles' row stride,
+ * *step the elements to the next k-step, *half those to the second A tile (rows 16-31). */
+static inline const uint16_t *amx_x_block(const struct amx_x *xs, long blk, long K,
+                                          long *ld_bytes, long *step, long *half) {
+    if (xs->rows && blk < xs->full) {
+        *ld_bytes = xs->ld * 2, *step = AMX_K, *half = AMX_M * xs->ld;
+        return xs->rows + blk * AMX_XB * xs->ld;
+    }
+    *ld_bytes = AMX_K * 2, *step = AMX_XB * AMX_K, *half = AMX_M * AMX_K;
+    return xs->blocks + (xs->rows ? blk - xs->full : blk) * AMX_XB * K;
+}
+
+#ifndef AMX_INPLACE_PANELS
+#define AMX_INPLACE_PANELS 16
+#endif
+
+/* Read x in place (struct amx_x's rows) where a thread has few panels to amortise the copy
+ * over: at 1,024 rows on 2 threads, wo and w2 of the 246M model (N 1,024: 16 panels a thread)
+ * ran 1.81 -> 2.00 and 1.74 -> 1.97 TFLOP/s in place, w13 (88) 1.98 -> 1.81: the copied
+ * blocks' contiguous tiles pay where x is read for many panels (session 33). */
+static int amx_inplace(long N, int nthreads) {
+    return (N + P - 1) / P <= (long)AMX_INPLACE_PANELS * nthreads;
+}
+
 /* Blocks of 32 x rows per group in amx_blocked: as many as fit in AMX_L2_X_BYTES. */
 static long amx_group(long M, long K) {
     long blocks = (M + AMX_XB - 1) / AMX_XB, group = AMX_L2_X_BYTES / (AMX_XB * K * 2);
     return group < 1 ? 1 : group > blocks ? blocks : group;
 }
 
-/* Above 32 rows: xb holds x in zero-padded blocks of 32 rows, each k-step's two A tiles side
- * by side ([blocks][K/32][32 rows][32]: one 2 KB stream per block, as the panel is one for B);
- * each panel against a group of blocks that fits in L2 while the panel stays in L1/L2.
+/* Above 32 rows: x's blocks of 32 rows (struct amx_x: copied, each k-step's two A tiles side
+ * by side, [blocks][K/32][32 rows][32], one 2 KB stream per block as the panel is one for B;
+ * or in place); each panel against a group of blocks that fits in L2 while the panel stays in
+ * L1/L2.
  * ep (NULL: y = the rounded sums): with gates, wp holds 2N columns, gate panels then up
  * panels, and output panel q is silu(gate q) * up q, the group's gate sums waiting in gates
  * while its up panel runs; with res, y = res + the rounded sums. */
-static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, long ldy, long M,
-                        long N, long K, long b, long e, const struct amx_epilogue *ep) {
+static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y, long ldy,
+                        long M, long N, long K, long b, long e, const struct amx_epilogue *ep) {
     float *gates = ep ? ep->gates : NULL;
     const uint16_t *res = ep ? ep->res : NULL;
     long kp_n = K / 2, pstride = kp_n * 2 * P, blocks = (M + AMX_XB - 1) / AMX_XB;
@@ -255,7 +288,9 @@ static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, lon
             for (long k0 = 0; k0 < K; k0 += kc) {
                 long k1 = k0 + kc < K ? k0 + kc : K;
                 for (long blk = g0; blk < g1; blk++) {
-                    const uint16_t *xk = xb + blk * AMX_XB * K + k0 * AMX_XB;
+                    long xld, xstep, xhalf;
+                    const uint16_t *xk = amx_x_block(xs, blk, K, &xld, &xstep, &xhalf);
+                    xk += k0 / AMX_K * xstep;
                     const uint16_t *wk = w + k0 * P;
                     float *a = acc ? acc + (blk - g0) * AMX_XB * P : c;
                     if (k0 == 0) {
@@ -269,13 +304,13 @@ static void amx_blocked(const uint16_t *xb, const uint16_t *wp, uint16_t *y, lon
                         _tile_loadd(2, a + AMX_M * P, P * 4);
                         _tile_loadd(3, a + AMX_M * P + 16, P * 4);
                     }
-                    for (long k = k0; k < k1; k += AMX_K, xk += AMX_XB * AMX_K, wk += AMX_K * P) {
+                    for (long k = k0; k < k1; k += AMX_K, xk += xstep, wk += AMX_K * P) {
                         for (long i = 0; i < per && pf < pf_end; i++, pf += 64)
                             __builtin_prefetch(pf, 0, 2);
                         _tile_loadd(6, wk, 2 * P * 2);
                         _tile_loadd(7, wk + P, 2 * P * 2);
-                        _tile_loadd(4, xk, AMX_K * 2);
-                        _tile_loadd(5, xk + AMX_M * AMX_K, AMX_K * 2);
+                        _tile_loadd(4, xk, xld);
+                        _tile_loadd(5, xk + xhalf, xld);
                         _tile_dpbf16ps(0, 4, 6);
                         _tile_dpbf16ps(1, 4, 7);
                         _tile_dpbf16ps(2, 5, 6);
@@ -331,6 +366,27 @@ static void amx_copy_blocks(const uint16_t *x, long ldx, long M, long K, uint16_
     }
 }
 
+/* Inside a parallel region, every thread: x for amx_blocked, in place where amx_inplace says
+ * (and no norm is folded into the copy), else copied into xb (amx_copy_bytes); only a partial
+ * last block is copied in place's case. Returns after the copy's barrier. */
+static struct amx_x amx_x_of(const uint16_t *x, long ldx, long M, long K, uint16_t *xb, long N,
+                             const uint16_t *norm_w, float eps) {
+#ifdef _OPENMP
+    extern int omp_get_num_threads(void);
+    int nt = omp_get_num_threads();
+#else
+    int nt = 1;
+#endif
+    struct amx_x xs = {xb, NULL, ldx, 0};
+    if (!norm_w && amx_inplace(N, nt)) {
+        xs.rows = x, xs.full = M / AMX_XB;
+        amx_copy_blocks(x + xs.full * AMX_XB * ldx, ldx, M - xs.full * AMX_XB, K, xb, NULL, 0.0f);
+    } else {
+        amx_copy_blocks(x, ldx, M, K, xb, norm_w, eps);
+    }
+    return xs;
+}
+
 /* Inside a parallel region, every thread: y = x @ W^T on AMX tiles. xt: amx_copy_bytes. */
 static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
                           long ldy, long M, long N, long K, uint32_t *xt) {
@@ -341,6 +397,6 @@ static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint1
         else if (b < e) amx_medium(x, ldx, wp, y, ldy, M, N, K, b, e);
         return;
     }
-    amx_copy_blocks(x, ldx, M, K, (uint16_t *)xt, NULL, 0.0f);
-    if (b < e) amx_blocked((uint16_t *)xt, wp, y, ldy, M, N, K, b, e, NULL);
+    struct amx_x xs = amx_x_of(x, ldx, M, K, (uint16_t *)xt, N, NULL, 0.0f);
+    if (b < e) amx_blocked(&xs, wp, y, ldy, M, N, K, b, e, NULL);
 }

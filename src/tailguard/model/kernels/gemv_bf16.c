@@ -316,10 +316,11 @@ static int amx_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *
 #endif
         long b, e;
         my_panels(panels, &b, &e);
-        amx_copy_blocks(x, ldx, M, K, (uint16_t *)scratch, norm_w, eps);
+        struct amx_x xs = amx_x_of(x, ldx, M, K, (uint16_t *)scratch, silu ? 2 * N : N, norm_w,
+                                   eps);
         struct amx_epilogue ep = {silu ? (float *)(scratch + x_bytes) + t * gate_floats : NULL,
                                   res, ldres};
-        if (b < e) amx_blocked((uint16_t *)scratch, wp, y, ldy, M, N, K, b, e, &ep);
+        if (b < e) amx_blocked(&xs, wp, y, ldy, M, N, K, b, e, &ep);
     }
     free(scratch);
     return 0;

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from tailguard.model.kernels.build import Loader
 
-__all__ = ["RowKernel", "load_row_kernel", "self_check"]
+__all__ = ["RowKernel", "load_row_kernel", "row_kernel_unavailable_reason", "self_check"]
 
 SOURCE = Path(__file__).with_name("rows.c")
 ABI = 7
@@ -273,6 +273,13 @@ def rounding_cases() -> Tensor:
 _LOADER: Loader[RowKernel] = Loader(
     SOURCE, "tg_rows_abi", ABI, RowKernel, self_check, what="row kernels", fallback="torch"
 )
+
+
+def row_kernel_unavailable_reason(
+    compiler: str | None = None, cache_dir: Path | None = None
+) -> str | None:
+    """Why `load_row_kernel` gave None (after it ran), else None."""
+    return _LOADER.reason(compiler, cache_dir)
 
 
 def load_row_kernel(compiler: str | None = None, cache_dir: Path | None = None) -> RowKernel | None:
