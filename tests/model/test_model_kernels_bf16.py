@@ -607,6 +607,10 @@ def test_prefill_attention_reads_later_chunks_keys_from_the_cache(
     with pytest.raises(ValueError, match="refused its arguments"):  # a later chunk, no cache
         attn.attend(qkv, torch.tensor([0]), torch.tensor([172]), nh, nkv, hd, 0, out, 2,
                     starts=torch.tensor([128]))  # fmt: skip
+    fp32_v = (k_cache, v_cache.float(), tables)
+    with pytest.raises(ValueError, match="contiguous bf16 KV cache"):
+        attn.attend(qkv, torch.tensor([0]), torch.tensor([172]), nh, nkv, hd, 0, out, 2,
+                    starts=torch.tensor([128]), cache=fp32_v)  # fmt: skip
 
 
 def test_prefill_attention_refuses_shapes_it_does_not_take(kernel: Bf16Kernel) -> None:

@@ -82,7 +82,7 @@ class PrefillAttention(AmxPath):
         tbl_ld = block_size = 0
         if cache is not None:
             k_cache, v_cache, tables = cache
-            if k_cache.dtype != torch.bfloat16 or not (
+            if {k_cache.dtype, v_cache.dtype} != {torch.bfloat16} or not (
                 k_cache.is_contiguous() and v_cache.is_contiguous()
             ):
                 raise ValueError("prefill attention reads a contiguous bf16 KV cache")

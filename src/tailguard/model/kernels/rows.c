@@ -173,7 +173,7 @@ static inline vf load_bf16(const uint16_t *p) {
 #endif
 }
 
-#if VBYTES == 64 && defined(__AVX512BF16__)
+#if VBYTES == 64 && defined(__AVX512BF16__) && defined(__AVX512DQ__)
 /* Where the hardware rounds as c10 does: vcvtneps2bf16 rounds to nearest even, but flushes
  * denormal inputs to zero and keeps a NaN's sign and payload, so a vector holding either takes
  * the integer path below. */
