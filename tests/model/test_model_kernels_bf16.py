@@ -11,6 +11,7 @@ import logging
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -140,17 +141,17 @@ def test_x_read_in_place_or_copied_gives_the_same_bits(
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_silu_gives_the_two_calls_bits(kernel: Bf16Kernel, amx: bool, threads: int) -> None:
-    """linear_silu: silu(gate) * up of w13's product, bit for bit `linear` and then the row
-    kernel's bf16 silu_mul, on AMX above 32 rows (k-chunks and x groups included: K 1,024, 300
-    rows; an odd number of output panels); None where it does not run (32 rows and fewer,
-    vdpbf16ps), so the caller makes the two calls."""
+    """linear_fused(silu=True): silu(gate) * up of w13's product, bit for bit `linear` and
+    then the row kernel's bf16 silu_mul, on AMX above 32 rows (k-chunks and x groups
+    included: K 1,024, 300 rows; an odd number of output panels); None where it does not run
+    (32 rows and fewer, vdpbf16ps), so the caller makes the two calls."""
     rows_kernel = load_row_kernel()
     assert rows_kernel is not None
     g = torch.Generator().manual_seed(8)
     for m, i, k in ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (32, 64, 64), (7, 64, 64)):
         x = torch.randn(m, k, generator=g).bfloat16()
         w13 = kernel.pack((torch.randn(2 * i, k, generator=g) * 0.1).bfloat16())
-        got = kernel.linear_silu(x, w13, threads)
+        got = kernel.linear_fused(x, w13, threads, silu=True)
         if not amx or m <= 32:
             assert got is None
             continue
@@ -163,10 +164,10 @@ def test_fused_silu_gives_the_two_calls_bits(kernel: Bf16Kernel, amx: bool, thre
 def test_fused_residual_add_gives_the_two_calls_bits(
     kernel: Bf16Kernel, amx: bool, threads: int
 ) -> None:
-    """linear_add: residual + the product, bit for bit `linear` and then torch's bf16 add, on
-    AMX above 32 rows (k-chunks and x groups: K 1,024 and 2,816 at 300 rows; an odd panel
-    count; a residual that is a strided view; the sum written over the residual itself); None
-    where it does not run (32 rows and fewer, N not whole panels, vdpbf16ps)."""
+    """linear_fused(residual=): residual + the product, bit for bit `linear` and then
+    torch's bf16 add, on AMX above 32 rows (k-chunks and x groups: K 1,024 and 2,816 at 300
+    rows; an odd panel count; a residual that is a strided view); None where it does not run
+    (32 rows and fewer, N not whole panels, vdpbf16ps)."""
     g = torch.Generator().manual_seed(9)
     cases = ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (70, 64, 2816), (32, 64, 64))
     for m, n, k in (*cases, (7, 64, 64), (40, 48, 64)):
@@ -174,43 +175,44 @@ def test_fused_residual_add_gives_the_two_calls_bits(
         w = kernel.pack((torch.randn(n, k, generator=g) * 0.1).bfloat16())
         wide = (torch.randn(m, n + 8, generator=g) * 4).bfloat16()
         for res in (wide[:, :n].contiguous(), wide[:, 8:]):
-            got = kernel.linear_add(x, w, res, threads)
+            got = kernel.linear_fused(x, w, threads, residual=res)
             if not amx or m <= 32 or n % kernel.width:
                 assert got is None
                 continue
             assert got is not None
             assert torch.equal(got, res + kernel.linear(x, w, threads)), (m, n, k)
     with pytest.raises(ValueError, match="residual must be bf16"):
-        kernel.linear_add(x, w, torch.zeros(m, n))
+        kernel.linear_fused(x, w, residual=torch.zeros(m, n))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_folded_rms_norm_gives_the_two_calls_bits(
     kernel: Bf16Kernel, amx: bool, threads: int
 ) -> None:
-    """linear_norm, and linear_silu with a norm: RMSNorm inside the AMX x copy, bit for bit the
-    row kernel's rms_norm and then `linear` / `linear_silu` (K 64 to 2,816; 33-300 rows; rows
+    """linear_fused with a norm, and with silu too: RMSNorm inside the AMX x copy, bit for bit the
+    row kernel's rms_norm and then `linear` / silu (K 64 to 2,816; 33-300 rows; rows
     of very different scales; a padded last block); None where it does not run."""
     rows_kernel = load_row_kernel()
     assert rows_kernel is not None
     g = torch.Generator().manual_seed(10)
-    for m, n, k in ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (70, 64, 2816), (32, 64, 64)):
+    shapes = ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (70, 64, 2816), (32, 64, 64))
+    for m, n, k in (*shapes, (40, 40, 64)):  # the last: outputs not whole panels
         x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]
         x = x.bfloat16()
         nw = (torch.rand(k, generator=g) + 0.5).bfloat16()
         w = kernel.pack((torch.randn(2 * n, k, generator=g) * 0.1).bfloat16())
-        got = kernel.linear_norm(x, w, (nw, 1e-5), threads)
-        got_silu = kernel.linear_silu(x, w, threads, norm=(nw, 1e-5))
-        if not amx or m <= 32:
+        got = kernel.linear_fused(x, w, threads, norm=(nw, 1e-5))
+        got_silu = kernel.linear_fused(x, w, threads, silu=True, norm=(nw, 1e-5))
+        if not amx or m <= 32 or n % kernel.width:
             assert got is None and got_silu is None
             continue
         normed = rows_kernel.rms_norm(x, nw, 1e-5, threads)
         assert got is not None and got_silu is not None
         assert torch.equal(got, kernel.linear(normed, w, threads)), (m, n, k)
-        want_silu = kernel.linear_silu(normed, w, threads)
+        want_silu = kernel.linear_fused(normed, w, threads, silu=True)
         assert want_silu is not None and torch.equal(got_silu, want_silu), (m, n, k)
     with pytest.raises(ValueError, match="norm weight must be contiguous bf16"):
-        kernel.linear_norm(x, w, (torch.ones(k), 1e-5))
+        kernel.linear_fused(x, w, norm=(torch.ones(k), 1e-5))
 
 
 def test_kernel_refuses_what_it_cannot_read(kernel: Bf16Kernel) -> None:
@@ -724,33 +726,47 @@ def test_model_prompt_chunks_after_the_first_run_on_the_kernel(
     assert starts == [[0, 0]] * (layers - 1) + [[24]] * (layers - 1) + [[40]] * (layers - 1)
 
 
+def _prefill_with_and_without(
+    kernel: Bf16Kernel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+    """A bf16 model (head_dim 32) on the kernel and the row kernels, a 40-token prefill with
+    and without the `KernelLinear.fused` calls that pass `kind` ("silu", "norm" or
+    "residual"; the others left as they are): both hidden states, and whether each such call
+    ran fused."""
+    folder = make_checkpoint(tmp_path / "ckpt", dataclasses.replace(TINY, head_dim=32))
+    model, _ = load_model(folder, dtype=torch.bfloat16)
+    assert model.use_row_kernel(load_row_kernel())
+    model.prepack(kernel=kernel)
+    step = [[(0, list(range(3, 43)))]]  # one group: a 40-token first chunk
+    calls: list[bool] = []
+    off = [False]
+    real = KernelLinear.fused
+
+    def fused(self: KernelLinear, x: torch.Tensor, **kw: Any) -> torch.Tensor | None:
+        if kw.get(kind) is None or kw.get(kind) is False:  # not a call of this kind
+            return real(self, x, **kw)
+        if off[0]:
+            return None
+        out = real(self, x, **kw)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(KernelLinear, "fused", fused)
+    with_fused, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
+    off[0] = True
+    without, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
+    return with_fused, without, calls
+
+
 def test_model_prefill_with_the_fused_silu_gives_the_same_bits(
     kernel: Bf16Kernel, amx: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bf16 model on the kernel and row kernels: a 40-token prefill runs the MLP's
     silu(gate) * up inside w13 on AMX (every layer), with the same hidden states as the two
     calls."""
-    folder = make_checkpoint(tmp_path / "ckpt", dataclasses.replace(TINY, head_dim=32))
-    model, _ = load_model(folder, dtype=torch.bfloat16)
-    assert model.use_row_kernel(load_row_kernel())
-    model.prepack(kernel=kernel)
-    step = [[(0, list(range(3, 43)))]]  # one group: a 40-token first chunk
-    calls: list[int] = []
-    fused = KernelLinear.linear_silu
-
-    def counted(
-        self: KernelLinear, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
-    ) -> torch.Tensor | None:
-        out = fused(self, x, norm)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(KernelLinear, "linear_silu", counted)
-    with_fused, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
-    monkeypatch.setattr(KernelLinear, "linear_silu", lambda self, x, norm=None: None)
-    without, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
+    with_fused, without, calls = _prefill_with_and_without(kernel, tmp_path, monkeypatch, "silu")
     assert torch.equal(with_fused, without)
-    assert calls == [amx] * model.config.num_hidden_layers
+    assert calls == [amx] * TINY.num_hidden_layers
 
 
 def test_model_prefill_with_the_fused_residual_adds_gives_the_same_bits(
@@ -758,25 +774,11 @@ def test_model_prefill_with_the_fused_residual_adds_gives_the_same_bits(
 ) -> None:
     """A bf16 model on the kernel: a 40-token prefill adds each layer's residual inside wo's
     and w2's stores on AMX, with the same hidden states as the separate adds."""
-    folder = make_checkpoint(tmp_path / "ckpt", dataclasses.replace(TINY, head_dim=32))
-    model, _ = load_model(folder, dtype=torch.bfloat16)
-    assert model.use_row_kernel(load_row_kernel())
-    model.prepack(kernel=kernel)
-    step = [[(0, list(range(3, 43)))]]
-    calls: list[int] = []
-    fused = KernelLinear.linear_add
-
-    def counted(self: KernelLinear, x: torch.Tensor, res: torch.Tensor) -> torch.Tensor | None:
-        out = fused(self, x, res)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(KernelLinear, "linear_add", counted)
-    with_fused, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
-    monkeypatch.setattr(KernelLinear, "linear_add", lambda self, x, res: None)
-    without, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
+    with_fused, without, calls = _prefill_with_and_without(
+        kernel, tmp_path, monkeypatch, "residual"
+    )
     assert torch.equal(with_fused, without)
-    assert calls == [amx] * 2 * model.config.num_hidden_layers  # wo and w2
+    assert calls == [amx] * 2 * TINY.num_hidden_layers  # wo and w2
 
 
 def test_model_prefill_with_the_folded_norms_gives_the_same_bits(
@@ -785,36 +787,9 @@ def test_model_prefill_with_the_folded_norms_gives_the_same_bits(
     """A bf16 model on the kernel and row kernels: a 40-token prefill runs each layer's
     attn_norm inside wqkv's x copy and ffn_norm inside w13's on AMX, with the same hidden
     states as the norms' own passes."""
-    folder = make_checkpoint(tmp_path / "ckpt", dataclasses.replace(TINY, head_dim=32))
-    model, _ = load_model(folder, dtype=torch.bfloat16)
-    assert model.use_row_kernel(load_row_kernel())
-    model.prepack(kernel=kernel)
-    step = [[(0, list(range(3, 43)))]]
-    norms: list[bool] = []
-    real_norm, real_silu = KernelLinear.linear_norm, KernelLinear.linear_silu
-
-    def counted_norm(
-        self: KernelLinear, x: torch.Tensor, norm: tuple[torch.Tensor, float]
-    ) -> torch.Tensor | None:
-        out = real_norm(self, x, norm)
-        norms.append(out is not None)
-        return out
-
-    def counted_silu(
-        self: KernelLinear, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
-    ) -> torch.Tensor | None:
-        out = real_silu(self, x, norm)
-        norms.append(out is not None and norm is not None)
-        return out
-
-    monkeypatch.setattr(KernelLinear, "linear_norm", counted_norm)
-    monkeypatch.setattr(KernelLinear, "linear_silu", counted_silu)
-    folded, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
-    monkeypatch.setattr(KernelLinear, "linear_norm", lambda self, x, norm: None)
-    monkeypatch.setattr(KernelLinear, "linear_silu", lambda self, x, norm=None: None)
-    apart, _, _ = PagedCache(model.config, 80, 4, torch.bfloat16).run(model, step)
+    folded, apart, norms = _prefill_with_and_without(kernel, tmp_path, monkeypatch, "norm")
     assert torch.equal(folded, apart)
-    assert norms == [amx] * 2 * model.config.num_hidden_layers  # wqkv and w13
+    assert norms == [amx] * 2 * TINY.num_hidden_layers  # wqkv and w13
 
 
 def test_engine_binds_the_prefill_attention_with_the_bf16_kernel(

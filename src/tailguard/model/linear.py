@@ -71,24 +71,17 @@ class KernelLinear(nn.Module):
             x = x.contiguous()
         return self.kernel.linear(x, self.weight)  # a clear ValueError for what it cannot read
 
-    def linear_silu(self, x: Tensor, norm: tuple[Tensor, float] | None = None) -> Tensor | None:
-        """silu(gate) * up of this linear's output (gate columns first) where the kernel has a
-        fused path for these rows (the bf16 kernel on AMX above 32 rows), else None. norm
-        (weight, eps): of RMSNorm(x), the norm inside the same call."""
+    def fused(
+        self,
+        x: Tensor,
+        *,
+        silu: bool = False,
+        norm: tuple[Tensor, float] | None = None,
+        residual: Tensor | None = None,
+    ) -> Tensor | None:
+        """This linear with its decoder-layer neighbours in the kernel's own call where it has
+        that path (the bf16 kernel on AMX above 32 rows; `LinearKernel.linear_fused`: norm
+        (weight, eps) of x first, silu(gate) * up of the output, or + residual), else None."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        return self.kernel.linear_silu(x, self.weight, norm=norm)
-
-    def linear_norm(self, x: Tensor, norm: tuple[Tensor, float]) -> Tensor | None:
-        """This linear of RMSNorm(x) (norm: weight, eps) with the norm inside the kernel's copy
-        of x where it has that path (bf16 on AMX above 32 rows), else None."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        return self.kernel.linear_norm(x, self.weight, norm)
-
-    def linear_add(self, x: Tensor, residual: Tensor) -> Tensor | None:
-        """residual + this linear's output, where the kernel adds it in its store (the bf16
-        kernel on AMX above 32 rows), else None."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        return self.kernel.linear_add(x, self.weight, residual)
+        return self.kernel.linear_fused(x, self.weight, silu=silu, norm=norm, residual=residual)

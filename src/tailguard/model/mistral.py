@@ -214,7 +214,7 @@ class FeedForward(nn.Module):
         folded = None if norm is None else norm.fold(x)
         if self.fused is not None and isinstance(w13, KernelLinear):
             # silu(gate) * up inside the bf16 kernel's w13 (prefill sizes on AMX), same bits
-            act = w13.linear_silu(x, folded)
+            act = w13.fused(x, silu=True, norm=folded)
             if act is not None:
                 return project(self.w2, act, residual)
         if norm is not None:
@@ -234,7 +234,7 @@ def project_normed(linear: nn.Module, x: Tensor, norm: RMSNorm) -> Tensor:
     the bits are those of the two calls either way."""
     folded = norm.fold(x)
     if folded is not None and isinstance(linear, KernelLinear):
-        y = linear.linear_norm(x, folded)
+        y = linear.fused(x, norm=folded)
         if y is not None:
             return y
     return linear(norm(x))
@@ -247,7 +247,7 @@ def project(linear: nn.Module, x: Tensor, residual: Tensor | None) -> Tensor:
     if residual is None:
         return linear(x)
     if isinstance(linear, KernelLinear):
-        y = linear.linear_add(x, residual)
+        y = linear.fused(x, residual=residual)
         if y is not None:
             return y
     return residual + linear(x)

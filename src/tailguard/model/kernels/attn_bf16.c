@@ -234,12 +234,7 @@ int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *
     if (!failed) {
 #pragma omp parallel num_threads(nthreads)
         {
-#ifdef _OPENMP
-            extern int omp_get_thread_num(void);
-            char *mine = scratch + (long)omp_get_thread_num() * per_thread;
-#else
-            char *mine = scratch;
-#endif
+            char *mine = scratch + (long)thread_num() * per_thread;
             uint16_t *qb = (uint16_t *)mine;
             float *sc = (float *)(mine + AR_MAX * hd * 2);
             uint16_t *pb = (uint16_t *)((char *)sc + AR_MAX * spad * 4);

@@ -95,12 +95,7 @@ int tg_decode_stack_bf16(const struct tg_layer_bf16 *layers, long n_layers,
     float *scores = (float *)c;
 #pragma omp parallel num_threads(nthreads)
     {
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        float *p = scores + (long)omp_get_thread_num() * (nh / nkv) * (max_ctx + 1);
-#else
-        float *p = scores;
-#endif
+        float *p = scores + (long)thread_num() * (nh / nkv) * (max_ctx + 1);
         for (long l = 0; l < n_layers; l++) {
             const struct tg_layer_bf16 *L = layers + l;
 #pragma omp for schedule(static)
@@ -190,12 +185,7 @@ int tg_greedy_head_bf16(const bf16_t *x, long T, const long *rows, long nrows,
     float *wide = (float *)c;
 #pragma omp parallel num_threads(nthreads)
     {
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        float *row = wide + (long)omp_get_thread_num() * (align64(4 * V) / 4);
-#else
-        float *row = wide;
-#endif
+        float *row = wide + (long)thread_num() * (align64(4 * V) / 4);
 #pragma omp for schedule(static)
         for (long i = 0; i < nrows; i++)
             rms_row_bf16(x + rows[i] * H, norm_w, h + i * H, H, eps);

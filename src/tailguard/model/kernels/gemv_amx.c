@@ -3,7 +3,7 @@
  * (amx_small); 17-32 rows two in-place A tiles meet one panel over the whole of K
  * (amx_medium); above, x is copied into zero-padded blocks of 32 rows, each panel a 2 x 2
  * grid of C tiles over k-chunks kept in L1 across a group of blocks (amx_blocked, with the
- * fused silu(gate) * up store of tg_bf16_linear_silu). Where this machine's tiles stand:
+ * epilogues of tg_bf16_linear_fused). Where this machine's tiles stand:
  * bench/amx_probe.py, docs/engine.md "CPU bf16 with AMX". */
 static int g_amx = 0; /* tg_bf16_set_amx */
 
@@ -184,11 +184,8 @@ static void amx_store_silu(const float *g, const float *u, long ldc, int rows, u
                            long ldy) {
     for (int m = 0; m < rows; m++)
         for (int h = 0; h < P; h += 16) {
-            __m512i gb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
-                _mm512_loadu_ps(g + m * ldc + h)));
-            __m512i ub = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
-                _mm512_loadu_ps(u + m * ldc + h)));
-            vf gv = (vf)_mm512_slli_epi32(gb, 16), uv = (vf)_mm512_slli_epi32(ub, 16);
+            vf gv = as_stored16(_mm512_loadu_ps(g + m * ldc + h));
+            vf uv = as_stored16(_mm512_loadu_ps(u + m * ldc + h));
             store_bf16(y + m * ldy + h, rne(silu(gv)) * uv);
         }
 }
@@ -200,17 +197,15 @@ static void amx_store_add(const float *c, long ldc, int rows, const uint16_t *r,
                           uint16_t *y, long ldy) {
     for (int m = 0; m < rows; m++)
         for (int h = 0; h < P; h += 16) {
-            __m512i pb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
-                _mm512_loadu_ps(c + m * ldc + h)));
-            vf prod = (vf)_mm512_slli_epi32(pb, 16);
+            vf prod = as_stored16(_mm512_loadu_ps(c + m * ldc + h));
             store_bf16(y + m * ldy + h, prod + load_bf16(r + m * ldr + h));
         }
 }
 
 /* What amx_blocked's last store does besides rounding the sums (NULL: nothing). */
 struct amx_epilogue {
-    float *gates; /* silu(gate) * up (tg_bf16_linear_silu): amx_group x 32 x P floats */
-    const uint16_t *res; /* + a residual [M, N] (tg_bf16_linear_add), ldres apart */
+    float *gates; /* silu(gate) * up (tg_bf16_linear_fused): amx_group x 32 x P floats */
+    const uint16_t *res; /* + a residual [M, N], ldres apart */
     long ldres;
 };
 
@@ -371,14 +366,8 @@ static void amx_copy_blocks(const uint16_t *x, long ldx, long M, long K, uint16_
  * last block is copied in place's case. Returns after the copy's barrier. */
 static struct amx_x amx_x_of(const uint16_t *x, long ldx, long M, long K, uint16_t *xb, long N,
                              const uint16_t *norm_w, float eps) {
-#ifdef _OPENMP
-    extern int omp_get_num_threads(void);
-    int nt = omp_get_num_threads();
-#else
-    int nt = 1;
-#endif
     struct amx_x xs = {xb, NULL, ldx, 0};
-    if (!norm_w && amx_inplace(N, nt)) {
+    if (!norm_w && amx_inplace(N, thread_count())) {
         xs.rows = x, xs.full = M / AMX_XB;
         amx_copy_blocks(x + xs.full * AMX_XB * ldx, ldx, M - xs.full * AMX_XB, K, xb, NULL, 0.0f);
     } else {

@@ -111,6 +111,11 @@ ALWAYS_INLINE void store16(uint16_t *dst, __m512 v, long valid) {
         _mm256_mask_storeu_epi16(dst, (__mmask16)((1u << valid) - 1), h);
 }
 
+/* 16 fp32 lanes rounded as store16 rounds them, back as fp32 (what a later op reads). */
+ALWAYS_INLINE vf as_stored16(__m512 v) {
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16);
+}
+
 /* One panel against MB rows of x into y[0..MB)[n0..n0+nvalid). With DIRECT x is the rows
  * themselves (ldx apart, K even, read as 32-bit pairs), else a chunk [Kp][MB] of pairs. y is
  * bf16, or with OUT32 the fp32 sums (attn_bf16.c's scores and outputs; nvalid == P). */
@@ -199,15 +204,20 @@ static void pair_chunk(const uint16_t *x, long ldx, long K, long m0, long mb, ui
     }
 }
 
+/* The calling thread's number and the region's thread count (0 and 1 without OpenMP). */
+#ifdef _OPENMP
+extern int omp_get_thread_num(void);
+extern int omp_get_num_threads(void);
+static int thread_num(void) { return omp_get_thread_num(); }
+static int thread_count(void) { return omp_get_num_threads(); }
+#else
+static int thread_num(void) { return 0; }
+static int thread_count(void) { return 1; }
+#endif
+
 /* The calling thread's share [b, e) of `panels` panels, inside a parallel region. */
 static void my_panels(long panels, long *b, long *e) {
-#ifdef _OPENMP
-    extern int omp_get_thread_num(void);
-    extern int omp_get_num_threads(void);
-    long t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    long t = 0, nt = 1;
-#endif
+    long t = thread_num(), nt = thread_count();
     *b = panels * t / nt;
     *e = panels * (t + 1) / nt;
 }
@@ -308,13 +318,7 @@ static int amx_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *
     if (!scratch) return -2;
 #pragma omp parallel num_threads(nthreads)
     {
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        long t = omp_get_thread_num();
-#else
-        long t = 0;
-#endif
-        long b, e;
+        long t = thread_num(), b, e;
         my_panels(panels, &b, &e);
         struct amx_x xs = amx_x_of(x, ldx, M, K, (uint16_t *)scratch, silu ? 2 * N : N, norm_w,
                                    eps);
@@ -327,56 +331,26 @@ static int amx_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *
 }
 #endif
 
-/* y [M, I] = silu(x @ Wg^T) * (x @ Wu^T), wp the panels of w13 [2I, K] (gate rows, then up
- * rows): each product rounded to bf16 as tg_bf16_linear rounds it, then silu and the product
- * as rows.c's tg_silu_mul_bf16, so the same bits as those two calls, without w13's [M, 2I]
- * output going to memory and back. On AMX above 32 rows (the prefill's blocked path) only:
- * returns -4 where that path does not apply (the caller makes the two calls), else 0, -1 on
- * bad arguments, -2 without memory. */
-int tg_bf16_linear_silu(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
-                        long M, long I, long K, int nthreads, const uint16_t *norm_w,
-                        float eps) {
-    if (M < 1 || I < 1 || K < 1 || ldx < K || ldy < I || nthreads < 1) return -1;
-#if TG_AMX
-    if (M <= AMX_XB || I % P || !amx_applies(K, ldx)) return -4;
-    return amx_fused(x, ldx, wp, y, ldy, M, I, K, nthreads, norm_w, eps, 1, NULL, 0);
-#else
-    (void)x, (void)wp, (void)y, (void)norm_w, (void)eps;
-    return -4;
-#endif
-}
-
-/* y [M, N] = RMSNorm(x) @ W^T, x normed by norm_w and eps on its way into the AMX blocks as
- * rows.c's tg_rms_norm_bf16 normalises (the same bits as that call and then tg_bf16_linear),
- * so the normalised [M, K] never goes to memory (a decoder layer's wqkv after attn_norm).
- * Where tg_bf16_linear_silu runs (AMX, above 32 rows; K a multiple of 32); else -4 (the caller
- * makes the two calls), 0, -1 on bad arguments, -2 without memory. */
-int tg_bf16_linear_norm(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
-                        long M, long N, long K, int nthreads, const uint16_t *norm_w,
-                        float eps) {
-    if (M < 1 || N < 1 || K < 1 || ldx < K || ldy < N || nthreads < 1 || !norm_w) return -1;
-#if TG_AMX
-    if (M <= AMX_XB || !amx_applies(K, ldx)) return -4;
-    return amx_fused(x, ldx, wp, y, ldy, M, N, K, nthreads, norm_w, eps, 0, NULL, 0);
-#else
-    (void)x, (void)wp, (void)y, (void)eps;
-    return -4;
-#endif
-}
-
-/* y [M, N] = res + x @ W^T: the product rounded to bf16 as tg_bf16_linear rounds it, then the
- * sum as torch's bf16 add rounds it, so the same bits as the linear and then `res + y`, in one
- * pass over y (a decoder layer's residual adds after wo and w2). Where tg_bf16_linear_silu
- * runs (AMX, above 32 rows) and N is whole panels; else -4 (the caller makes the two
- * calls), 0, -1 on bad arguments, -2 without memory. y may not overlap x; it may be res. */
-int tg_bf16_linear_add(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
-                       long M, long N, long K, int nthreads, const uint16_t *res, long ldres) {
-    if (M < 1 || N < 1 || K < 1 || ldx < K || ldy < N || ldres < N || nthreads < 1) return -1;
+/* y [M, N] = x @ W^T with what a decoder layer does around it, in one pass (each with the
+ * roundings of the separate calls, so their bits):
+ * - norm_w: x is RMSNorm'd by norm_w, eps on its way into the AMX blocks, as rows.c's
+ *   tg_rms_norm_bf16 normalises (wqkv after attn_norm, w13 after ffn_norm);
+ * - silu: wp holds w13's 2N rows (gate, then up) and y = silu(gate) * up, as tg_bf16_linear
+ *   and then rows.c's tg_silu_mul_bf16, w13's [M, 2N] product never in memory;
+ * - res (ldres apart; y may be res): y = res + the product rounded to bf16, as torch's bf16
+ *   add rounds it (the residual adds after wo and w2); not with silu.
+ * On AMX above 32 rows with N whole panels only: -4 elsewhere (the caller makes the separate
+ * calls), else 0, -1 on bad arguments, -2 without memory. */
+int tg_bf16_linear_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
+                         long M, long N, long K, int nthreads, const uint16_t *norm_w, float eps,
+                         int silu, const uint16_t *res, long ldres) {
+    if (M < 1 || N < 1 || K < 1 || ldx < K || ldy < N || nthreads < 1) return -1;
+    if (res && (silu || ldres < N)) return -1;
 #if TG_AMX
     if (M <= AMX_XB || N % P || !amx_applies(K, ldx)) return -4;
-    return amx_fused(x, ldx, wp, y, ldy, M, N, K, nthreads, NULL, 0.0f, 0, res, ldres);
+    return amx_fused(x, ldx, wp, y, ldy, M, N, K, nthreads, norm_w, eps, silu, res, ldres);
 #else
-    (void)x, (void)wp, (void)y, (void)res;
+    (void)x, (void)wp, (void)y, (void)norm_w, (void)eps, (void)silu, (void)res;
     return -4;
 #endif
 }
@@ -398,4 +372,4 @@ int tg_bf16_set_amx(int on) {
 }
 
 /* Lets the loader check that the library it opened is the one it built. */
-int tg_bf16_kernel_abi(void) { return 5; }
+int tg_bf16_kernel_abi(void) { return 6; }

@@ -67,20 +67,15 @@ class LinearKernel(Protocol):
 
     def linear(self, x: Tensor, w: PanelWeight, threads: int | None = None) -> Tensor: ...
 
-    def linear_silu(
+    def linear_fused(
         self,
         x: Tensor,
-        w13: PanelWeight,
+        w: PanelWeight,
         threads: int | None = None,
+        *,
+        silu: bool = False,
         norm: tuple[Tensor, float] | None = None,
-    ) -> Tensor | None: ...
-
-    def linear_norm(
-        self, x: Tensor, w: PanelWeight, norm: tuple[Tensor, float], threads: int | None = None
-    ) -> Tensor | None: ...
-
-    def linear_add(
-        self, x: Tensor, w: PanelWeight, residual: Tensor, threads: int | None = None
+        residual: Tensor | None = None,
     ) -> Tensor | None: ...
 
 
@@ -116,26 +111,17 @@ class SmallMKernel:
         self._pack(w.data_ptr(), panels.data_ptr(), n, k)
         return PanelWeight(panels, n, k)
 
-    def linear_silu(
+    def linear_fused(
         self,
         x: Tensor,
-        w13: PanelWeight,
+        w: PanelWeight,
         threads: int | None = None,
+        *,
+        silu: bool = False,
         norm: tuple[Tensor, float] | None = None,
+        residual: Tensor | None = None,
     ) -> Tensor | None:
-        """No fused silu(gate) * up in fp32 (gemv.c): None, the caller makes the two calls."""
-        return None
-
-    def linear_norm(
-        self, x: Tensor, w: PanelWeight, norm: tuple[Tensor, float], threads: int | None = None
-    ) -> Tensor | None:
-        """No RMSNorm folded into x in fp32 (gemv.c): None, the caller makes the two calls."""
-        return None
-
-    def linear_add(
-        self, x: Tensor, w: PanelWeight, residual: Tensor, threads: int | None = None
-    ) -> Tensor | None:
-        """No fused residual add in fp32 (gemv.c): None, the caller makes the two calls."""
+        """No fused neighbours in fp32 (gemv.c): None, the caller makes the separate calls."""
         return None
 
     def linear(self, x: Tensor, w: PanelWeight, threads: int | None = None) -> Tensor:

@@ -40,7 +40,8 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("gemv_bf16.c")
-ABI = 5  # tg_bf16_kernel_abi() of the source this module expects
+FUSED_MIN_ROWS = 33  # tg_bf16_linear_fused runs on AMX's blocked path only: above AMX_XB rows
+ABI = 6  # tg_bf16_kernel_abi() of the source this module expects
 
 
 class AmxPath:
@@ -93,19 +94,11 @@ class Bf16Kernel(AmxPath):
         fn.argtypes = [c_void_p, c_long, c_void_p, c_void_p, c_long, c_long, c_long, c_long]
         fn.argtypes.append(ctypes.c_int)
         self._fn = fn
-        c_float = ctypes.c_float
-        silu = lib.tg_bf16_linear_silu
-        silu.restype = ctypes.c_int
-        silu.argtypes = [*fn.argtypes, c_void_p, c_float]  # ..., threads, norm_w, eps
-        self._silu = silu
-        norm = lib.tg_bf16_linear_norm
-        norm.restype = ctypes.c_int
-        norm.argtypes = silu.argtypes  # x, ldx, panels, y, ldy, M, N, K, threads, norm_w, eps
-        self._norm = norm
-        add = lib.tg_bf16_linear_add
-        add.restype = ctypes.c_int
-        add.argtypes = [*fn.argtypes, c_void_p, c_long]  # ..., threads, res, ldres
-        self._add = add
+        fused = lib.tg_bf16_linear_fused
+        fused.restype = ctypes.c_int
+        # x, ldx, panels, y, ldy, M, N, K, threads, norm_w, eps, silu, res, ldres
+        fused.argtypes = [*fn.argtypes, c_void_p, ctypes.c_float, ctypes.c_int, c_void_p, c_long]
+        self._fused = fused
         self._pack = lib.tg_bf16_pack
         self._pack.restype = None
         self._pack.argtypes = [c_void_p, c_void_p, c_long, c_long]
@@ -144,63 +137,53 @@ class Bf16Kernel(AmxPath):
             raise MemoryError(f"bf16 kernel failed ({rc}) on x {tuple(x.shape)}, N={n}")
         return y
 
-    def linear_silu(
+    def linear_fused(
         self,
         x: Tensor,
-        w13: PanelWeight,
+        w: PanelWeight,
         threads: int | None = None,
+        *,
+        silu: bool = False,
         norm: tuple[Tensor, float] | None = None,
+        residual: Tensor | None = None,
     ) -> Tensor | None:
-        """silu(gate) * up [M, I] of the w13 panels ([2I, K]: gate rows, then up rows), the
-        same bits as `linear` and then rows.c's bf16 silu_mul, in one call whose [M, 2I]
-        product never goes to memory; None where that fused path does not run (up to 32 rows,
-        off AMX, I not whole panels: make the two calls). norm (weight [K] bf16, eps): x is
-        RMSNorm'd first, inside the call, with the bits of the row kernel's rms_norm."""
-        norm_args = self._norm_args(norm, x.shape[1])
-        return self._fused(self._silu, x, w13, w13.out_features // 2, threads, *norm_args)
-
-    def linear_norm(
-        self, x: Tensor, w: PanelWeight, norm: tuple[Tensor, float], threads: int | None = None
-    ) -> Tensor | None:
-        """RMSNorm(x) @ w^T [M, N] for norm = (weight [K] bf16, eps), the same bits as the row
-        kernel's rms_norm and then `linear`, in one call whose normalised x never goes to
-        memory; None where that fused path does not run (up to 32 rows, off AMX: make the two
-        calls)."""
-        norm_args = self._norm_args(norm, x.shape[1])
-        return self._fused(self._norm, x, w, w.out_features, threads, *norm_args)
-
-    def linear_add(
-        self, x: Tensor, w: PanelWeight, residual: Tensor, threads: int | None = None
-    ) -> Tensor | None:
-        """residual + x @ w^T [M, N] (residual bf16 [M, N], unit inner stride), the same bits
-        as `linear` and then torch's bf16 `residual + y`, in one call that writes y once; None
-        where that fused path does not run (up to 32 rows, off AMX, N not whole panels: make
-        the two calls)."""
-        m, n = x.shape[0], w.out_features
-        if residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != x.dtype:
-            raise ValueError(
-                f"residual must be bf16 [{m}, {n}] with unit inner stride: got "
-                f"{residual.dtype} {tuple(residual.shape)} strides {residual.stride()}"
-            )
-        res = (residual.data_ptr(), residual.stride(0))
-        return self._fused(self._add, x, w, n, threads, *res)
-
-    def _fused(
-        self, fn: Any, x: Tensor, w: PanelWeight, n_out: int, threads: int | None, *extra: Any
-    ) -> Tensor | None:
-        """y [M, n_out] from one of the AMX-only fused entries (tg_bf16_linear_silu, _norm,
-        _add: x, ldx, panels, y, ldy, M, N, K, threads, then `extra`); None where it returns
-        -4 (the path does not apply)."""
+        """x @ w^T with a decoder layer's neighbouring ops in the same call (gemv_bf16.c's
+        tg_bf16_linear_fused), each with the bits of the separate calls:
+        - norm (weight [K] bf16, eps): x RMSNorm'd first, as the row kernel's rms_norm;
+        - silu: w is w13 ([2I, K]: gate rows, then up rows) and the result silu(gate) * up
+          [M, I], as `linear` and then rows.c's bf16 silu_mul;
+        - residual (bf16 [M, N], unit inner stride): residual + the product, as torch's bf16
+          add after `linear` (not with silu).
+        None where that path does not run (up to 32 rows, off AMX, outputs not whole panels:
+        make the separate calls)."""
         self._check_x(x, w)
         m, k = x.shape
-        y = torch.empty(m, n_out, dtype=torch.bfloat16)
+        n = w.out_features // 2 if silu else w.out_features
+        nw, eps = self._norm_args(norm, k)
+        res, ldres = None, 0
+        if residual is not None:
+            if (
+                silu
+                or residual.shape != (m, n)
+                or residual.stride(1) != 1
+                or (residual.dtype != x.dtype)
+            ):
+                raise ValueError(
+                    f"residual must be bf16 [{m}, {n}] with unit inner stride, and not with "
+                    f"silu: got {residual.dtype} {tuple(residual.shape)} strides "
+                    f"{residual.stride()}"
+                )
+            res, ldres = residual.data_ptr(), residual.stride(0)
+        if not self.amx or m < FUSED_MIN_ROWS or n % self.width:
+            return None  # the C call would return -4: no output buffer, no call (small steps)
+        y = torch.empty(m, n, dtype=torch.bfloat16)
         nt = torch.get_num_threads() if threads is None else threads
-        rc = fn(x.data_ptr(), x.stride(0), w.panels.data_ptr(), y.data_ptr(), n_out, m, n_out, k,
-                nt, *extra)  # fmt: skip
+        rc = self._fused(x.data_ptr(), x.stride(0), w.panels.data_ptr(), y.data_ptr(), n, m, n,
+                         k, nt, nw, eps, int(silu), res, ldres)  # fmt: skip
         if rc == -4:
             return None
         if rc != 0:  # pragma: no cover - -2: out of memory
-            raise MemoryError(f"bf16 kernel failed ({rc}) on x {tuple(x.shape)}, N={n_out}")
+            raise MemoryError(f"bf16 kernel failed ({rc}) on x {tuple(x.shape)}, N={n}")
         return y
 
     @staticmethod
