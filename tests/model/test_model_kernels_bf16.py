@@ -140,15 +140,42 @@ def test_x_read_in_place_or_copied_gives_the_same_bits(
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+def test_amx_blocked_path_without_its_buffer_gives_the_same_bits(
+    kernel: Bf16Kernel, amx: bool, threads: int
+) -> None:
+    """Above 32 rows on AMX, `linear` keeps its sums between k-chunks in a per-thread buffer,
+    and does without (K unchunked) where there is no memory for it. The same bits either way
+    (K 64 to 2,816, one and two x groups, a padded last block, a partial last panel), and
+    within one bf16 rounding of the exact product."""
+    if not amx:
+        pytest.skip("the AMX blocked path only")
+    g = torch.Generator().manual_seed(12)
+    for m, n, k in ((33, 64, 64), (100, 200, 1024), (200, 96, 2816), (45, 40, 256)):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        w = torch.randn(n, k, generator=g).bfloat16()
+        packed = kernel.pack(w)
+        want = kernel.linear(x, packed, threads)
+        kernel.use_amx_buffers(False)
+        try:
+            got = kernel.linear(x, packed, threads)
+        finally:
+            kernel.use_amx_buffers(True)
+        assert torch.equal(got, want), (m, n, k)
+        assert _rel_err(want, x, w) < 2.0**-8, (m, n, k)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_fused_silu_gives_the_two_calls_bits(kernel: Bf16Kernel, amx: bool, threads: int) -> None:
     """linear_fused(silu=True): silu(gate) * up of w13's product, bit for bit `linear` and
     then the row kernel's bf16 silu_mul, on AMX above 32 rows (k-chunks and x groups
-    included: K 1,024, 300 rows; an odd number of output panels); None where it does not run
+    included: K 1,024, 300 rows; two x groups: K 2,816, 200 rows; an odd number of output
+    panels; each panel's outputs stored while the next computes); None where it does not run
     (32 rows and fewer, vdpbf16ps), so the caller makes the two calls."""
     rows_kernel = load_row_kernel()
     assert rows_kernel is not None
     g = torch.Generator().manual_seed(8)
-    for m, i, k in ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (32, 64, 64), (7, 64, 64)):
+    cases = ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (200, 96, 2816))
+    for m, i, k in (*cases, (32, 64, 64), (7, 64, 64)):
         x = torch.randn(m, k, generator=g).bfloat16()
         w13 = kernel.pack((torch.randn(2 * i, k, generator=g) * 0.1).bfloat16())
         got = kernel.linear_fused(x, w13, threads, silu=True)
@@ -166,11 +193,12 @@ def test_fused_residual_add_gives_the_two_calls_bits(
 ) -> None:
     """linear_fused(residual=): residual + the product, bit for bit `linear` and then
     torch's bf16 add, on AMX above 32 rows (k-chunks and x groups: K 1,024 and 2,816 at 300
-    rows; an odd panel count; a residual that is a strided view); None where it does not run
+    rows; two x groups at 200 rows of 2,816; an odd panel count; a residual that is a strided
+    view); None where it does not run
     (32 rows and fewer, N not whole panels, vdpbf16ps)."""
     g = torch.Generator().manual_seed(9)
-    cases = ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (70, 64, 2816), (32, 64, 64))
-    for m, n, k in (*cases, (7, 64, 64), (40, 48, 64)):
+    cases = ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (70, 64, 2816), (200, 96, 2816))
+    for m, n, k in (*cases, (32, 64, 64), (7, 64, 64), (40, 48, 64)):
         x = torch.randn(m, k, generator=g).bfloat16()
         w = kernel.pack((torch.randn(n, k, generator=g) * 0.1).bfloat16())
         wide = (torch.randn(m, n + 8, generator=g) * 4).bfloat16()

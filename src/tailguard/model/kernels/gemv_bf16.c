@@ -304,7 +304,7 @@ int tg_bf16_linear(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
 #endif
 
 #if TG_AMX
-/* amx_blocked over all its panels with an epilogue (gates: each thread's share of `gate_floats`
+/* amx_blocked over all its panels with an epilogue (each thread its amx_thread_floats buffer
  * after x's blocks), x copied first (RMSNorm'd by norm_w, eps where norm_w is not NULL): 0, or
  * -2 without memory. */
 static int amx_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
@@ -313,8 +313,8 @@ static int amx_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *
     long panels = N / P;
     if (nthreads > panels) nthreads = (int)panels;
     long x_bytes = (amx_copy_bytes(M, K) + 63) / 64 * 64;
-    long gate_floats = silu ? amx_group(M, K) * AMX_XB * P : 0;
-    char *scratch = aligned_alloc(64, (size_t)x_bytes + (size_t)nthreads * gate_floats * 4);
+    long thread_floats = (amx_thread_floats(M, K, silu) + 15) / 16 * 16;
+    char *scratch = aligned_alloc(64, (size_t)x_bytes + (size_t)nthreads * thread_floats * 4);
     if (!scratch) return -2;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -322,8 +322,8 @@ static int amx_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *
         my_panels(panels, &b, &e);
         struct amx_x xs = amx_x_of(x, ldx, M, K, (uint16_t *)scratch, silu ? 2 * N : N, norm_w,
                                    eps);
-        struct amx_epilogue ep = {silu ? (float *)(scratch + x_bytes) + t * gate_floats : NULL,
-                                  res, ldres};
+        struct amx_epilogue ep = {silu, res, ldres,
+                                  (float *)(scratch + x_bytes) + t * thread_floats};
         if (b < e) amx_blocked(&xs, wp, y, ldy, M, N, K, b, e, &ep);
     }
     free(scratch);
@@ -371,5 +371,14 @@ int tg_bf16_set_amx(int on) {
 #endif
 }
 
+/* Tests: 0 has the plain linear's AMX blocked path do without its buffer, as it does where
+ * there is no memory for one (K unchunked); 1, the default, back. Returns on. */
+int tg_bf16_amx_buffers(int on) {
+#if TG_AMX
+    g_amx_buffers = on;
+#endif
+    return on;
+}
+
 /* Lets the loader check that the library it opened is the one it built. */
-int tg_bf16_kernel_abi(void) { return 6; }
+int tg_bf16_kernel_abi(void) { return 7; }

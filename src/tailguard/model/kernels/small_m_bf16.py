@@ -41,7 +41,7 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("gemv_bf16.c")
 FUSED_MIN_ROWS = 33  # tg_bf16_linear_fused runs on AMX's blocked path only: above AMX_XB rows
-ABI = 6  # tg_bf16_kernel_abi() of the source this module expects
+ABI = 7  # tg_bf16_kernel_abi() of the source this module expects
 
 
 class AmxPath:
@@ -104,6 +104,9 @@ class Bf16Kernel(AmxPath):
         self._pack.argtypes = [c_void_p, c_void_p, c_long, c_long]
         self.width = int(lib.tg_bf16_panel_width())
         self.supported = bool(lib.tg_bf16_supported())
+        self._buffers = lib.tg_bf16_amx_buffers
+        self._buffers.restype = ctypes.c_int
+        self._buffers.argtypes = [ctypes.c_int]
         self._bind_amx(lib)  # the same panels serve both paths
         self._lib = lib  # keeps the library loaded
 
@@ -185,6 +188,11 @@ class Bf16Kernel(AmxPath):
         if rc != 0:  # pragma: no cover - -2: out of memory
             raise MemoryError(f"bf16 kernel failed ({rc}) on x {tuple(x.shape)}, N={n}")
         return y
+
+    def use_amx_buffers(self, on: bool) -> None:
+        """Tests: off, `linear` on AMX above 32 rows takes the path it falls back to where it
+        has no memory for its per-thread buffer (K unchunked); on (the default) back."""
+        self._buffers(int(on))
 
     @staticmethod
     def _check_x(x: Tensor, w: PanelWeight) -> None:
