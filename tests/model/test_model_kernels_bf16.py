@@ -218,13 +218,15 @@ def test_folded_rms_norm_gives_the_two_calls_bits(
     kernel: Bf16Kernel, amx: bool, threads: int
 ) -> None:
     """linear_fused with a norm, and with silu too: RMSNorm inside the AMX x copy, bit for bit the
-    row kernel's rms_norm and then `linear` / silu (K 64 to 2,816; 33-300 rows; rows
-    of very different scales; a padded last block); None where it does not run."""
+    row kernel's rms_norm and then `linear` / silu (K 64 to 2,816; 33-1,000 rows; rows
+    of very different scales; a padded last block; the threads split by rows where each has
+    4 blocks of 32 or more: 300 and 1,000 rows, 1,000 at 3 threads too); None where it does not
+    run."""
     rows_kernel = load_row_kernel()
     assert rows_kernel is not None
     g = torch.Generator().manual_seed(10)
-    shapes = ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (70, 64, 2816), (32, 64, 64))
-    for m, n, k in (*shapes, (40, 40, 64)):  # the last: outputs not whole panels
+    shapes = ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (70, 64, 2816), (1000, 64, 256))
+    for m, n, k in (*shapes, (32, 64, 64), (40, 40, 64)):  # the last: not whole panels
         x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]
         x = x.bfloat16()
         nw = (torch.rand(k, generator=g) + 0.5).bfloat16()
@@ -239,6 +241,8 @@ def test_folded_rms_norm_gives_the_two_calls_bits(
         assert torch.equal(got, kernel.linear(normed, w, threads)), (m, n, k)
         want_silu = kernel.linear_fused(normed, w, threads, silu=True)
         assert want_silu is not None and torch.equal(got_silu, want_silu), (m, n, k)
+        if m == 1000:
+            assert torch.equal(kernel.linear_fused(x, w, 3, norm=(nw, 1e-5)), got), m
     with pytest.raises(ValueError, match="norm weight must be contiguous bf16"):
         kernel.linear_fused(x, w, norm=(torch.ones(k), 1e-5))
 

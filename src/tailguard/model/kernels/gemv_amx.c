@@ -227,13 +227,11 @@ static inline const uint16_t *amx_x_block(const struct amx_x *xs, long blk, long
 #define AMX_INPLACE_PANELS 16
 #endif
 
-/* Read x in place (struct amx_x's rows) where a thread has few panels to amortise the copy
- * over: at 1,024 rows on 2 threads, wo and w2 of the 246M model (N 1,024: 16 panels a thread)
- * ran 1.81 -> 2.00 and 1.74 -> 1.97 TFLOP/s in place, w13 (88) 1.98 -> 1.81: the copied
- * blocks' contiguous tiles pay where x is read for many panels (session 33). */
-static int amx_inplace(long N, int nthreads) {
-    return (N + P - 1) / P <= (long)AMX_INPLACE_PANELS * nthreads;
-}
+/* x is read in place (struct amx_x's rows) where a thread runs at most AMX_INPLACE_PANELS
+ * panels, to amortise the copy over: at 1,024 rows on 2 threads, wo and w2 of the 246M model
+ * (N 1,024: 16 panels a thread) ran 1.81 -> 2.00 and 1.74 -> 1.97 TFLOP/s in place, w13 (88)
+ * 1.98 -> 1.81: the copied blocks' contiguous tiles pay where x is read for many panels
+ * (session 33). */
 
 /* Blocks of 32 x rows per group in amx_blocked: as many as fit in AMX_L2_X_BYTES. */
 static long amx_group(long M, long K) {
@@ -331,6 +329,35 @@ static inline void amx_store_tiles(float *dst) {
     _tile_stored(3, dst + AMX_M * P + 16, P * 4);
 }
 
+#ifndef AMX_ROWS_SPLIT
+#define AMX_ROWS_SPLIT 4 /* blocks of x a thread at least, to split the rows (amx_share_of) */
+#endif
+
+/* A thread's share of amx_blocked's work: panels [b, e) against x's blocks [bb, be). */
+struct amx_share {
+    long b, e, bb, be;
+    int rows; /* split by rows: every panel, the thread's own blocks */
+};
+
+/* Inside a parallel region: the calling thread's share of M rows x `panels` panels. With
+ * split_rows, where each thread has AMX_ROWS_SPLIT blocks or more, its own blocks of rows
+ * against every panel, so that it copies (and RMSNorms) only the rows it multiplies, in its
+ * own core's caches and with no barrier; else its own panels against every block. Split by
+ * rows where a norm is folded into the copy (tg_bf16_linear_fused): the 246M model's linears at
+ * 1,024 rows, medians of 15 in one process, wqkv 1.73 -> 1.57 and 1.71 -> 1.56 ms, w13 with
+ * silu 5.59 -> 5.44 and 5.48 -> 5.42; not for the others: w2 + residual 3.25 -> 3.36 and
+ * 3.28 -> 3.49 ms (it reads x in place by panels), plain w13 within noise (session 34). */
+static struct amx_share amx_share_of(long M, long panels, int split_rows) {
+    long blocks = (M + AMX_XB - 1) / AMX_XB;
+    split_rows = split_rows && blocks >= (long)AMX_ROWS_SPLIT * thread_count();
+    struct amx_share sh = {0, panels, 0, blocks, split_rows};
+    if (sh.rows)
+        my_panels(blocks, &sh.bb, &sh.be);
+    else
+        my_panels(panels, &sh.b, &sh.e);
+    return sh;
+}
+
 /* Above 32 rows: x's blocks of 32 rows (struct amx_x: copied, each k-step's two A tiles side
  * by side, [blocks][K/32][32 rows][32], one 2 KB stream per block as the panel is one for B;
  * or in place); each panel against a group of blocks that fits in L2 while the panel stays in
@@ -341,11 +368,13 @@ static inline void amx_store_tiles(float *dst) {
  * the buffer for their store during the next pair; with res, y = res + the rounded sums.
  * Without ep's buffer and no memory for one (never with silu): K is not chunked. */
 static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y, long ldy,
-                        long M, long N, long K, long b, long e, const struct amx_epilogue *ep) {
+                        long M, long N, long K, const struct amx_share *sh,
+                        const struct amx_epilogue *ep) {
+    long b = sh->b, e = sh->e;
     int silu = ep && ep->silu;
     const uint16_t *res = ep ? ep->res : NULL;
     long ldres = ep ? ep->ldres : 0;
-    long kp_n = K / 2, pstride = kp_n * 2 * P, blocks = (M + AMX_XB - 1) / AMX_XB;
+    long kp_n = K / 2, pstride = kp_n * 2 * P;
     long group = amx_group(M, K), gf = group * AMX_XB * P, kc = amx_kc(K);
     long need = amx_thread_floats(M, K, silu);
     float *own = NULL, *buf = ep ? ep->buf : NULL;
@@ -360,8 +389,8 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
     /* weight panel of step q: q itself, or with silu gate 0, up 0, gate 1, up 1, ... */
     long passes = silu ? 2 : 1, half = (N + P - 1) / P;
 #define WEIGHT_PANEL(q) (passes == 2 ? (q) / 2 + ((q) % 2) * half : (q))
-    for (long g0 = 0; g0 < blocks; g0 += group) {
-        long g1 = g0 + group < blocks ? g0 + group : blocks;
+    for (long g0 = sh->bb; g0 < sh->be; g0 += group) {
+        long g1 = g0 + group < sh->be ? g0 + group : sh->be;
         for (long q = b * passes; q < e * passes; q++) {
             const uint16_t *w = wp + WEIGHT_PANEL(q) * pstride;
             long n0 = q / passes * P, nvalid = N - n0 < P ? N - n0 : P;
@@ -411,41 +440,56 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
 
 static int amx_applies(long K, long ldx) { return g_amx && K % AMX_K == 0 && ldx >= K; }
 
-/* Inside a parallel region: x into xb's zero-padded blocks of 32 rows (amx_copy_bytes), the
- * rows split over the threads; returns after the barrier (x copied before any panel runs).
- * With norm_w, each row is RMSNorm(x row) * norm_w on the way, as rows.c's rms_row_bf16 writes
- * it (the same bits as the norm's own pass, which then never goes to memory). */
-static void amx_copy_blocks(const uint16_t *x, long ldx, long M, long K, uint16_t *xb,
-                            const uint16_t *norm_w, float eps) {
-    long padded = (M + AMX_XB - 1) / AMX_XB * AMX_XB;
-#pragma omp for schedule(static)
-    for (long m = 0; m < padded; m++) {
-        uint16_t *dst = xb + (m / AMX_XB) * AMX_XB * K + (m % AMX_XB) * AMX_K;
-        const uint16_t *xr = x + m * ldx;
-        float r = m < M && norm_w ? rms_scale_bf16(xr, K, eps) : 0.0f;
-        for (long k = 0; k < K; k += AMX_K, dst += AMX_XB * AMX_K) {
-            if (m >= M)
-                memset(dst, 0, AMX_K * 2);
-            else if (norm_w)
-                rms_apply_bf16(xr + k, norm_w + k, r, dst, AMX_K);
-            else
-                memcpy(dst, xr + k, AMX_K * 2);
-        }
+/* Padded row m of x (M rows) into its place in xb's zero-padded blocks of 32 rows
+ * (amx_copy_bytes): with norm_w, RMSNorm(x row) * norm_w on the way, as rows.c's rms_row_bf16
+ * writes it (the same bits as the norm's own pass, which then never goes to memory). */
+static void amx_copy_row(const uint16_t *x, long ldx, long M, long K, uint16_t *xb,
+                         const uint16_t *norm_w, float eps, long m) {
+    uint16_t *dst = xb + (m / AMX_XB) * AMX_XB * K + (m % AMX_XB) * AMX_K;
+    const uint16_t *xr = x + m * ldx;
+    float r = m < M && norm_w ? rms_scale_bf16(xr, K, eps) : 0.0f;
+    for (long k = 0; k < K; k += AMX_K, dst += AMX_XB * AMX_K) {
+        if (m >= M)
+            memset(dst, 0, AMX_K * 2);
+        else if (norm_w)
+            rms_apply_bf16(xr + k, norm_w + k, r, dst, AMX_K);
+        else
+            memcpy(dst, xr + k, AMX_K * 2);
     }
 }
 
-/* Inside a parallel region, every thread: x for amx_blocked, in place where amx_inplace says
- * (and no norm is folded into the copy), else copied into xb (amx_copy_bytes); only a partial
- * last block is copied in place's case. Returns after the copy's barrier. */
-static struct amx_x amx_x_of(const uint16_t *x, long ldx, long M, long K, uint16_t *xb, long N,
-                             const uint16_t *norm_w, float eps) {
-    struct amx_x xs = {xb, NULL, ldx, 0};
-    if (!norm_w && amx_inplace(N, thread_count())) {
-        xs.rows = x, xs.full = M / AMX_XB;
-        amx_copy_blocks(x + xs.full * AMX_XB * ldx, ldx, M - xs.full * AMX_XB, K, xb, NULL, 0.0f);
-    } else {
-        amx_copy_blocks(x, ldx, M, K, xb, norm_w, eps);
+/* x's blocks [bb, be) (of M rows) into xb: inside a parallel region split over its threads
+ * (returning after the barrier: copied before any panel runs) or, with mine, by the calling
+ * thread alone. */
+static void amx_copy_blocks(const uint16_t *x, long ldx, long M, long K, uint16_t *xb,
+                            const uint16_t *norm_w, float eps, long bb, long be, int mine) {
+    long lo = bb * AMX_XB, hi = be * AMX_XB;
+    if (mine) {
+        for (long m = lo; m < hi; m++) amx_copy_row(x, ldx, M, K, xb, norm_w, eps, m);
+        return;
     }
+#pragma omp for schedule(static)
+    for (long m = lo; m < hi; m++) amx_copy_row(x, ldx, M, K, xb, norm_w, eps, m);
+}
+
+/* Inside a parallel region, every thread: x for its share of amx_blocked, in place where a
+ * thread runs at most AMX_INPLACE_PANELS of the `loads` panels (with silu twice the output
+ * panels; the same answer in every thread) and no norm is folded into the copy, else copied into xb (amx_copy_bytes); only a partial last block is
+ * copied in place's case (into xb's first block). Returns when the blocks the thread reads are
+ * there (split by panels: after the copy's barrier). */
+static struct amx_x amx_x_of(const uint16_t *x, long ldx, long M, long K, uint16_t *xb,
+                             const struct amx_share *sh, long loads, const uint16_t *norm_w,
+                             float eps) {
+    struct amx_x xs = {xb, NULL, ldx, 0};
+    long per_thread = sh->rows ? loads : (loads + thread_count() - 1) / thread_count();
+    if (norm_w || per_thread > AMX_INPLACE_PANELS) {
+        amx_copy_blocks(x, ldx, M, K, xb, norm_w, eps, sh->bb, sh->be, sh->rows);
+        return xs;
+    }
+    xs.rows = x, xs.full = M / AMX_XB;
+    if (sh->be > xs.full) /* the partial last block: the thread that has it, or all of them */
+        amx_copy_blocks(x + xs.full * AMX_XB * ldx, ldx, M - xs.full * AMX_XB, K, xb, NULL,
+                        0.0f, 0, 1, sh->rows);
     return xs;
 }
 
@@ -459,6 +503,7 @@ static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint1
         else if (b < e) amx_medium(x, ldx, wp, y, ldy, M, N, K, b, e);
         return;
     }
-    struct amx_x xs = amx_x_of(x, ldx, M, K, (uint16_t *)xt, N, NULL, 0.0f);
-    if (b < e) amx_blocked(&xs, wp, y, ldy, M, N, K, b, e, NULL);
+    struct amx_share sh = amx_share_of(M, panels, 0);
+    struct amx_x xs = amx_x_of(x, ldx, M, K, (uint16_t *)xt, &sh, panels, NULL, 0.0f);
+    if (sh.b < sh.e && sh.bb < sh.be) amx_blocked(&xs, wp, y, ldy, M, N, K, &sh, NULL);
 }

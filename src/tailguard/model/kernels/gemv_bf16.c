@@ -318,13 +318,13 @@ static int amx_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *
     if (!scratch) return -2;
 #pragma omp parallel num_threads(nthreads)
     {
-        long t = thread_num(), b, e;
-        my_panels(panels, &b, &e);
-        struct amx_x xs = amx_x_of(x, ldx, M, K, (uint16_t *)scratch, silu ? 2 * N : N, norm_w,
-                                   eps);
+        long t = thread_num();
+        struct amx_share sh = amx_share_of(M, panels, norm_w != NULL);
+        struct amx_x xs = amx_x_of(x, ldx, M, K, (uint16_t *)scratch, &sh,
+                                   panels * (silu ? 2 : 1), norm_w, eps);
         struct amx_epilogue ep = {silu, res, ldres,
                                   (float *)(scratch + x_bytes) + t * thread_floats};
-        if (b < e) amx_blocked(&xs, wp, y, ldy, M, N, K, b, e, &ep);
+        if (sh.b < sh.e && sh.bb < sh.be) amx_blocked(&xs, wp, y, ldy, M, N, K, &sh, &ep);
     }
     free(scratch);
     return 0;
