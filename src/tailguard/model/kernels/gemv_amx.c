@@ -260,13 +260,15 @@ struct amx_epilogue {
 };
 
 /* Finished sums waiting for their store into y, `per` rows at each k-step of the next block
- * (a block's sums) or of the next pair of panels (with silu, a panel's over the group: silu's
- * exp and division need more k-steps than a block has), so that the vector work (the bf16
- * rounding, silu, the residual add) runs while the tiles compute instead of between their
- * products. The 246M model's linears at 1,024 rows, 2 threads, medians of 15 in one process
- * (ms, stored after each block -> while the next computes): w13 with silu and the folded norm
- * 6.90 -> 5.93 (plain w13, no silu, 6.22 ms), wo + residual 1.51 -> 1.35, w2 + residual
- * 3.53 -> 3.25; a layer's four 13.8 -> 12.3. */
+ * (with a residual: a block's sums) or of the next pair of panels (with silu: a panel's over
+ * the group, as silu's exp and division need more k-steps than a block has), so that the
+ * vector work runs while the tiles compute instead of between their products. The 246M
+ * model's linears at 1,024 rows, 2 threads, medians of 15 in one process (ms, stored after
+ * each block -> while later k-steps compute): w13 with silu and the folded norm 6.90 -> 5.93
+ * (plain w13, no silu, 6.22 ms), wo + residual 1.51 -> 1.35, w2 + residual 3.53 -> 3.25; a
+ * layer's four 13.8 -> 12.3 (session 34). A plain store stays right after its block: deferred,
+ * the embedded model's head at 150 rows (N 32,000, K 256) measured 10-15% slower and M's plain
+ * w13 no faster. */
 struct amx_pending {
     const float *c, *gate; /* sums [rows][P]; with gate, y = silu(gate) * c (the same layout) */
     const uint16_t *res;   /* else with res, y = res + c */
@@ -362,7 +364,8 @@ static struct amx_share amx_share_of(long M, long panels, int split_rows) {
  * by side, [blocks][K/32][32 rows][32], one 2 KB stream per block as the panel is one for B;
  * or in place); each panel against a group of blocks that fits in L2 while the panel stays in
  * L1/L2, k in chunks (amx_kc) with the group's sums waiting in the buffer between chunks.
- * The final sums are stored into y during later k-steps (struct amx_pending).
+ * With a residual or silu, the final sums are stored into y during later k-steps (struct
+ * amx_pending); plain, right after each block.
  * ep (NULL: y = the rounded sums): with silu, wp holds 2N columns, gate panels then up
  * panels, and output panel q is silu(gate q) * up q, the group's gate and up sums waiting in
  * the buffer for their store during the next pair; with res, y = res + the rounded sums.
@@ -412,13 +415,14 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
                         amx_store_tiles(a);
                     } else if (silu) {
                         amx_store_tiles(fin + (blk - g0) * AMX_XB * P);
-                    } else { /* stored during the next block's k-steps */
+                    } else { /* with res, stored during the next block's k-steps */
                         amx_pending_rows(&pd, AMX_XB);
                         amx_store_tiles(bsums);
                         pd = (struct amx_pending){bsums, NULL, res ? res + m0 * ldres + n0 : NULL,
                                                   y + m0 * ldy + n0, ldy, ldres, nvalid,
                                                   (int)(M - m0 < AMX_XB ? M - m0 : AMX_XB), 0,
                                                   (int)((AMX_XB * AMX_K + kc - 1) / kc)};
+                        if (!res) amx_pending_rows(&pd, AMX_XB);
                     }
                 }
             }
