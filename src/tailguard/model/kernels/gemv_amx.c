@@ -223,15 +223,14 @@ static inline const uint16_t *amx_x_block(const struct amx_x *xs, long blk, long
     return xs->blocks + (xs->rows ? blk - xs->full : blk) * AMX_XB * K;
 }
 
-#ifndef AMX_INPLACE_PANELS
-#define AMX_INPLACE_PANELS 16
-#endif
-
 /* x is read in place (struct amx_x's rows) where a thread runs at most AMX_INPLACE_PANELS
  * panels, to amortise the copy over: at 1,024 rows on 2 threads, wo and w2 of the 246M model
  * (N 1,024: 16 panels a thread) ran 1.81 -> 2.00 and 1.74 -> 1.97 TFLOP/s in place, w13 (88)
  * 1.98 -> 1.81: the copied blocks' contiguous tiles pay where x is read for many panels
- * (session 33). */
+ * (session 33; amx_x_of). */
+#ifndef AMX_INPLACE_PANELS
+#define AMX_INPLACE_PANELS 16
+#endif
 
 /* Blocks of 32 x rows per group in amx_blocked: as many as fit in AMX_L2_X_BYTES. */
 static long amx_group(long M, long K) {
@@ -478,9 +477,10 @@ static void amx_copy_blocks(const uint16_t *x, long ldx, long M, long K, uint16_
 
 /* Inside a parallel region, every thread: x for its share of amx_blocked, in place where a
  * thread runs at most AMX_INPLACE_PANELS of the `loads` panels (with silu twice the output
- * panels; the same answer in every thread) and no norm is folded into the copy, else copied into xb (amx_copy_bytes); only a partial last block is
- * copied in place's case (into xb's first block). Returns when the blocks the thread reads are
- * there (split by panels: after the copy's barrier). */
+ * panels; the same answer in every thread, as the copy's barrier needs) and no norm is folded
+ * into the copy, else copied into xb (amx_copy_bytes); in place, only a partial last block is
+ * copied (into xb's first block). Returns when the blocks the thread reads are there (split
+ * by panels: after the copy's barrier). */
 static struct amx_x amx_x_of(const uint16_t *x, long ldx, long M, long K, uint16_t *xb,
                              const struct amx_share *sh, long loads, const uint16_t *norm_w,
                              float eps) {
