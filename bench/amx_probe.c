@@ -7,7 +7,8 @@
  *                                  between chunks, G blocks per group), M = 1024, without the
  *                                  x copy or the bf16 store. MODE bit 1: every block reads the
  *                                  same x block (no x stream from L2); bit 2: every panel is
- *                                  the same panel (no weight stream from memory).
+ *                                  the same panel (no weight stream from memory); bit 4: x's
+ *                                  tiles loaded with tileloaddt1, as the kernel loads them.
  *
  * Operands hold bf16 values near 1 (not zeros: AMX's rate depends on the data, ~10% here).
  * Prints one line "TFLOP/s <value>" for the process's OpenMP threads. */
@@ -102,7 +103,12 @@ static double loop(long N, long K, long KC, long G, int mode) {
                             }
                             for (long k = k0; k < k0 + KC && k < K; k += 32, xk += 1024, wk += 1024) {
                                 _tile_loadd(6, wk, 128); _tile_loadd(7, wk + 32, 128);
-                                _tile_loadd(4, xk, 64); _tile_loadd(5, xk + 512, 64);
+                                if (mode & 4) { /* as the kernel: non-temporal x loads */
+                                    _tile_stream_loadd(4, xk, 64);
+                                    _tile_stream_loadd(5, xk + 512, 64);
+                                } else {
+                                    _tile_loadd(4, xk, 64); _tile_loadd(5, xk + 512, 64);
+                                }
                                 _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
                                 _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
                             }

@@ -10,7 +10,8 @@ on the data, ~10% between zeros and these):
   tiles, no loads       4 independent C tiles, operands already in tiles: the TMUL's rate
   tiles, loads from L1  the same with every A and B tile reloaded from a 32 KiB buffer
   loop: x and W fixed   gemv_bf16.c's loop (2 x 2 C tiles over x blocks of 32 rows and panels
-                        of 32 columns, k in chunks of 256 with the sums stored and reloaded
+                        of 32 columns, x's tiles loaded with tileloaddt1, k in chunks of 512
+                        (the kernel's for K <= 2,048) with the sums stored and reloaded
                         between chunks, 16 blocks a group), every block and panel the same
                         memory: what the chunking's round trips cost
   loop: x streams       every panel the same, x blocks read from L2 as the kernel does
@@ -102,7 +103,7 @@ def main() -> int:
         rows = [("tiles, no loads", tiles), ("tiles, loads from L1", l1)]
         for name, mode in LOOP_ROWS:
             rows.append(
-                (name, probe(exe, args.threads, "loop", str(n), str(k), "256", "16", str(mode))[0])
+                (name, probe(exe, args.threads, "loop", str(n), str(k), "512", "16", str(mode | 4))[0])
             )
     onednn = matmul_flops(torch.bfloat16) / 1e12
     ours = kernel_tflops(args.threads)
