@@ -103,7 +103,10 @@ def main() -> int:
         rows = [("tiles, no loads", tiles), ("tiles, loads from L1", l1)]
         for name, mode in LOOP_ROWS:
             rows.append(
-                (name, probe(exe, args.threads, "loop", str(n), str(k), "512", "16", str(mode | 4))[0])
+                (
+                    name,
+                    probe(exe, args.threads, "loop", str(n), str(k), "512", "16", str(mode | 4))[0],
+                )
             )
     onednn = matmul_flops(torch.bfloat16) / 1e12
     ours = kernel_tflops(args.threads)
