@@ -252,7 +252,8 @@ static long amx_group(long M, long K) {
  * 5.32 -> 4.76 and 5.40 -> 4.77, wqkv 1.63 -> 1.49, wo + res 1.35 -> 1.25, a layer's four
  * 11.5 -> 10.8 (session 34). Chunks of 512 with plain loads lost 15-25% (sessions 33-34),
  * tileloaddt1 with chunks of 256 gained 0-2%. w2 (K 2,816: x groups of 5 blocks) keeps chunks
- * of 256: 3.22 -> 3.30 ms with 512. */
+ * of 256: 3.22 -> 3.30 ms with 512. The sums reloaded between chunks take the hint too: a
+ * layer's four 9.75 -> 9.59 and 9.82 -> 9.56 ms, w2 + res 2.97 -> 2.83 and 3.06 -> 2.87. */
 static long amx_kc(long K) {
     long kc = K <= AMX_KC_WIDE_K ? AMX_KC_WIDE : AMX_KC;
     return K < kc ? K : kc;
@@ -321,10 +322,10 @@ static inline void amx_block_chunk(const uint16_t *xk, long xld, long xstep, lon
         _tile_zero(2);
         _tile_zero(3);
     } else {
-        _tile_loadd(0, a, P * 4);
-        _tile_loadd(1, a + 16, P * 4);
-        _tile_loadd(2, a + AMX_M * P, P * 4);
-        _tile_loadd(3, a + AMX_M * P + 16, P * 4);
+        _tile_stream_loadd(0, a, P * 4); /* the sums too: read once a chunk */
+        _tile_stream_loadd(1, a + 16, P * 4);
+        _tile_stream_loadd(2, a + AMX_M * P, P * 4);
+        _tile_stream_loadd(3, a + AMX_M * P + 16, P * 4);
     }
     for (long k = k0; k < k1; k += AMX_K, xk += xstep, wk += AMX_K * P) {
         for (long i = 0; i < pf_per && *pf < pf_end; i++, *pf += 64) __builtin_prefetch(*pf, 0, 2);
