@@ -193,11 +193,12 @@ def test_fused_residual_add_gives_the_two_calls_bits(
 ) -> None:
     """linear_fused(residual=): residual + the product, bit for bit `linear` and then
     torch's bf16 add, on AMX above 32 rows (k-chunks and x groups: K 1,024 and 2,816 at 300
-    rows; two x groups at 200 rows of 2,816; an odd panel count; a residual that is a strided
-    view); None where it does not run
+    rows; 12 panels of K 2,816 at 200 rows, more than one group of panels kept in L2; an odd
+    panel count; a residual that is a strided view; each also without the per-thread buffer,
+    K unchunked); None where it does not run
     (32 rows and fewer, N not whole panels, vdpbf16ps)."""
     g = torch.Generator().manual_seed(9)
-    cases = ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (70, 64, 2816), (200, 96, 2816))
+    cases = ((33, 64, 64), (45, 96, 256), (300, 160, 1024), (70, 64, 2816), (200, 384, 2816))
     for m, n, k in (*cases, (32, 64, 64), (7, 64, 64), (40, 48, 64)):
         x = torch.randn(m, k, generator=g).bfloat16()
         w = kernel.pack((torch.randn(n, k, generator=g) * 0.1).bfloat16())
@@ -209,6 +210,12 @@ def test_fused_residual_add_gives_the_two_calls_bits(
                 continue
             assert got is not None
             assert torch.equal(got, res + kernel.linear(x, w, threads)), (m, n, k)
+            kernel.use_amx_buffers(False)
+            try:
+                unchunked = kernel.linear_fused(x, w, threads, residual=res)
+            finally:
+                kernel.use_amx_buffers(True)
+            assert unchunked is not None and torch.equal(unchunked, got), (m, n, k)
     with pytest.raises(ValueError, match="residual must be bf16"):
         kernel.linear_fused(x, w, residual=torch.zeros(m, n))
 

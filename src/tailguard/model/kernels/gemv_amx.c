@@ -310,12 +310,14 @@ static inline void amx_pending_rows(struct amx_pending *pd, int upto) {
 }
 
 /* One block's 2 x 2 C tiles over k in [k0, k1): from zero at k0 == 0, else from the sums in a;
- * the weight panel's k-steps at wk, x's at xk (amx_x_block's strides; non-temporal loads). Each k-step stores `per`
- * pending rows and prefetches the next panel (*pf up to pf_end, pf_per lines a step). */
-static inline void amx_block_chunk(const uint16_t *xk, long xld, long xstep, long xhalf,
-                                   const uint16_t *wk, long k0, long k1, const float *a,
-                                   struct amx_pending *pd, const char **pf, const char *pf_end,
-                                   long pf_per) {
+ * the weight panel's k-steps at wk, x's at xk (amx_x_block's strides). The streamed operand
+ * is loaded with tileloaddt1: x's tiles (amx_blocked), or with x_kept the weights'
+ * (amx_panels_first). Each k-step stores `per` pending rows and prefetches the next panel
+ * (*pf up to pf_end, pf_per lines a step). */
+static inline __attribute__((always_inline)) void
+amx_block_chunk(const uint16_t *xk, long xld, long xstep, long xhalf, const uint16_t *wk, long k0,
+                long k1, const float *a, struct amx_pending *pd, const char **pf,
+                const char *pf_end, long pf_per, const int x_kept) {
     if (k0 == 0) {
         _tile_zero(0);
         _tile_zero(1);
@@ -329,10 +331,17 @@ static inline void amx_block_chunk(const uint16_t *xk, long xld, long xstep, lon
     }
     for (long k = k0; k < k1; k += AMX_K, xk += xstep, wk += AMX_K * P) {
         for (long i = 0; i < pf_per && *pf < pf_end; i++, *pf += 64) __builtin_prefetch(*pf, 0, 2);
-        _tile_loadd(6, wk, 2 * P * 2);
-        _tile_loadd(7, wk + P, 2 * P * 2);
-        _tile_stream_loadd(4, xk, xld); /* tileloaddt1: see amx_kc */
-        _tile_stream_loadd(5, xk + xhalf, xld);
+        if (x_kept) { /* amx_panels_first: x's chunk kept in L1, the weights stream past */
+            _tile_stream_loadd(6, wk, 2 * P * 2);
+            _tile_stream_loadd(7, wk + P, 2 * P * 2);
+            _tile_loadd(4, xk, xld);
+            _tile_loadd(5, xk + xhalf, xld);
+        } else {
+            _tile_loadd(6, wk, 2 * P * 2);
+            _tile_loadd(7, wk + P, 2 * P * 2);
+            _tile_stream_loadd(4, xk, xld); /* tileloaddt1: see amx_kc */
+            _tile_stream_loadd(5, xk + xhalf, xld);
+        }
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
@@ -427,7 +436,7 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
                     const uint16_t *xk = amx_x_block(xs, blk, K, &xld, &xstep, &xhalf);
                     float *a = acc ? acc + (blk - g0) * AMX_XB * P : NULL;
                     amx_block_chunk(xk + k0 / AMX_K * xstep, xld, xstep, xhalf, w + k0 * P, k0,
-                                    k1, a, &pd, &pf, pf_end, pf_per);
+                                    k1, a, &pd, &pf, pf_end, pf_per, 0);
                     if (k1 < K) {
                         amx_store_tiles(a);
                     } else if (silu) {
@@ -457,6 +466,67 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
     amx_pending_rows(&pd, INT32_MAX);
     _tile_release();
     free(own);
+}
+
+#ifndef AMX_L2_W_BYTES
+#define AMX_L2_W_BYTES (1024 * 1024)
+#endif
+
+/* The loops of amx_blocked the other way round, for the linears with a residual (wo, w2): a
+ * group of the thread's panels (as many as fit in AMX_L2_W_BYTES) stays in L2 while x's
+ * blocks stream past once per group, each block's k-chunk of 512 kept in L1 across the
+ * group's panels (the weights loaded with tileloaddt1, the sums between chunks waiting in a
+ * buffer a panel of the group); the residual store runs during the next tile's k-steps. The
+ * 246M model's linears at 1,024 rows with 16 copies of the weights (so that they stream from
+ * memory as in the model), medians of 12 in one process: wo + res 1.30 -> 1.06 and 1.38 ->
+ * 1.03 ms, w2 + res 3.36 -> 3.00 and 3.31 -> 3.04; wqkv (norm folded, split by rows) went
+ * 1.52 -> 1.66 this way and keeps amx_blocked, as w13 with silu does (session 34; amx_probe.c's
+ * MODE bit 8 in a /tmp copy had measured the loop order 1.1-1.2x on M's shapes). Without
+ * memory for the buffer, K is not chunked. */
+static void amx_panels_first(const struct amx_x *xs, const uint16_t *wp, uint16_t *y, long ldy,
+                             long M, long N, long K, const struct amx_share *sh,
+                             const uint16_t *res, long ldres) {
+    long pstride = K * P, pg = AMX_L2_W_BYTES / (pstride * 2);
+    long kc = K < AMX_KC_WIDE ? K : AMX_KC_WIDE;
+    if (pg < 1) pg = 1;
+    if (pg > sh->e - sh->b) pg = sh->e - sh->b;
+    float *acc = kc < K && g_amx_buffers ? aligned_alloc(64, (size_t)pg * AMX_XB * P * 4) : NULL;
+    if (!acc) kc = K;
+    float bsums[AMX_XB * P] __attribute__((aligned(64)));
+    struct amx_pending pd = {.rows = 0, .done = 0};
+    const char *pf = NULL;
+    amx_configure(AMX_M);
+    for (long p0 = sh->b; p0 < sh->e; p0 += pg) {
+        long p1 = p0 + pg < sh->e ? p0 + pg : sh->e;
+        for (long blk = sh->bb; blk < sh->be; blk++) {
+            long xld, xstep, xhalf, m0 = blk * AMX_XB;
+            const uint16_t *x0 = amx_x_block(xs, blk, K, &xld, &xstep, &xhalf);
+            for (long k0 = 0; k0 < K; k0 += kc) {
+                long k1 = k0 + kc < K ? k0 + kc : K;
+                for (long p = p0; p < p1; p++) {
+                    float *a = acc ? acc + (p - p0) * AMX_XB * P : NULL;
+                    amx_block_chunk(x0 + k0 / AMX_K * xstep, xld, xstep, xhalf,
+                                    wp + p * pstride + k0 * P, k0, k1, a, &pd, &pf, NULL, 0, 1);
+                    if (k1 < K) {
+                        amx_store_tiles(a);
+                        continue;
+                    }
+                    long n0 = p * P;
+                    amx_pending_rows(&pd, AMX_XB);
+                    amx_store_tiles(bsums);
+                    pd = (struct amx_pending){bsums, NULL, res ? res + m0 * ldres + n0 : NULL,
+                                              y + m0 * ldy + n0, ldy, ldres,
+                                              N - n0 < P ? N - n0 : P,
+                                              (int)(M - m0 < AMX_XB ? M - m0 : AMX_XB), 0,
+                                              (int)((AMX_XB * AMX_K + kc - 1) / kc)};
+                    if (!res) amx_pending_rows(&pd, AMX_XB);
+                }
+            }
+        }
+    }
+    amx_pending_rows(&pd, INT32_MAX);
+    _tile_release();
+    free(acc);
 }
 
 static int amx_applies(long K, long ldx) { return g_amx && K % AMX_K == 0 && ldx >= K; }

@@ -324,7 +324,12 @@ static int amx_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *
                                    panels * (silu ? 2 : 1), norm_w, eps);
         struct amx_epilogue ep = {silu, res, ldres,
                                   (float *)(scratch + x_bytes) + t * thread_floats};
-        if (sh.b < sh.e && sh.bb < sh.be) amx_blocked(&xs, wp, y, ldy, M, N, K, &sh, &ep);
+        if (sh.b < sh.e && sh.bb < sh.be) {
+            if (res) /* wo, w2: the weights' group kept, x streaming */
+                amx_panels_first(&xs, wp, y, ldy, M, N, K, &sh, res, ldres);
+            else
+                amx_blocked(&xs, wp, y, ldy, M, N, K, &sh, &ep);
+        }
     }
     free(scratch);
     return 0;

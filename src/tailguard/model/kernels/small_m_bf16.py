@@ -190,8 +190,9 @@ class Bf16Kernel(AmxPath):
         return y
 
     def use_amx_buffers(self, on: bool) -> None:
-        """Tests: off, `linear` on AMX above 32 rows takes the path it falls back to where it
-        has no memory for its per-thread buffer (K unchunked); on (the default) back."""
+        """Tests: off, `linear` and `linear_fused` with a residual, on AMX above 32 rows, take
+        the path they fall back to where there is no memory for their per-thread buffer (K
+        unchunked); on (the default) back."""
         self._buffers(int(on))
 
     @staticmethod
