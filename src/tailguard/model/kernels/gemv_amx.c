@@ -311,13 +311,14 @@ static inline void amx_pending_rows(struct amx_pending *pd, int upto) {
 
 /* One block's 2 x 2 C tiles over k in [k0, k1): from zero at k0 == 0, else from the sums in a;
  * the weight panel's k-steps at wk, x's at xk (amx_x_block's strides). The streamed operand
- * is loaded with tileloaddt1: x's tiles (amx_blocked), or with x_kept the weights'
- * (amx_panels_first). Each k-step stores `per` pending rows and prefetches the next panel
- * (*pf up to pf_end, pf_per lines a step). */
+ * is loaded with tileloaddt1: with x_kept the weights' (amx_panels_first), else with x_nt x's
+ * (amx_blocked where K is chunked; unchunked, as in the embedded model's head at K 256, the
+ * hint cost 3-4%). Each k-step stores `per` pending rows and prefetches the next panel (*pf up
+ * to pf_end, pf_per lines a step). */
 static inline __attribute__((always_inline)) void
 amx_block_chunk(const uint16_t *xk, long xld, long xstep, long xhalf, const uint16_t *wk, long k0,
                 long k1, const float *a, struct amx_pending *pd, const char **pf,
-                const char *pf_end, long pf_per, const int x_kept) {
+                const char *pf_end, long pf_per, const int x_kept, int x_nt) {
     if (k0 == 0) {
         _tile_zero(0);
         _tile_zero(1);
@@ -336,11 +337,16 @@ amx_block_chunk(const uint16_t *xk, long xld, long xstep, long xhalf, const uint
             _tile_stream_loadd(7, wk + P, 2 * P * 2);
             _tile_loadd(4, xk, xld);
             _tile_loadd(5, xk + xhalf, xld);
+        } else if (x_nt) { /* K chunked: tileloaddt1 for x (see amx_kc) */
+            _tile_loadd(6, wk, 2 * P * 2);
+            _tile_loadd(7, wk + P, 2 * P * 2);
+            _tile_stream_loadd(4, xk, xld);
+            _tile_stream_loadd(5, xk + xhalf, xld);
         } else {
             _tile_loadd(6, wk, 2 * P * 2);
             _tile_loadd(7, wk + P, 2 * P * 2);
-            _tile_stream_loadd(4, xk, xld); /* tileloaddt1: see amx_kc */
-            _tile_stream_loadd(5, xk + xhalf, xld);
+            _tile_loadd(4, xk, xld);
+            _tile_loadd(5, xk + xhalf, xld);
         }
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
@@ -436,7 +442,7 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
                     const uint16_t *xk = amx_x_block(xs, blk, K, &xld, &xstep, &xhalf);
                     float *a = acc ? acc + (blk - g0) * AMX_XB * P : NULL;
                     amx_block_chunk(xk + k0 / AMX_K * xstep, xld, xstep, xhalf, w + k0 * P, k0,
-                                    k1, a, &pd, &pf, pf_end, pf_per, 0);
+                                    k1, a, &pd, &pf, pf_end, pf_per, 0, kc < K);
                     if (k1 < K) {
                         amx_store_tiles(a);
                     } else if (silu) {
@@ -506,7 +512,8 @@ static void amx_panels_first(const struct amx_x *xs, const uint16_t *wp, uint16_
                 for (long p = p0; p < p1; p++) {
                     float *a = acc ? acc + (p - p0) * AMX_XB * P : NULL;
                     amx_block_chunk(x0 + k0 / AMX_K * xstep, xld, xstep, xhalf,
-                                    wp + p * pstride + k0 * P, k0, k1, a, &pd, &pf, NULL, 0, 1);
+                                    wp + p * pstride + k0 * P, k0, k1, a, &pd, &pf, NULL, 0, 1,
+                                    0);
                     if (k1 < K) {
                         amx_store_tiles(a);
                         continue;
