@@ -267,30 +267,21 @@ static long amx_thread_floats(long M, long K, int silu) {
     return (amx_kc(K) < K ? g : 0) + (silu ? 4 * g : 0);
 }
 
-/* What amx_blocked does besides y = the rounded sums (NULL: nothing, and it allocates its own
- * buffer). */
-struct amx_epilogue {
-    int silu; /* wp holds 2N columns (gate panels, then up panels): y = silu(gate) * up */
-    const uint16_t *res; /* else with res: y = res + the rounded sums ([M, N], ldres apart) */
-    long ldres;
-    float *buf; /* amx_thread_floats(M, K, silu) floats, 64-byte aligned (required with silu) */
-};
-
-/* Finished sums waiting for their store into y, `per` rows at each k-step of the next block
- * (with a residual: a block's sums) or of the next pair of panels (with silu: a panel's over
- * the group, as silu's exp and division need more k-steps than a block has), so that the
- * vector work runs while the tiles compute instead of between their products. The 246M
- * model's linears at 1,024 rows, 2 threads, medians of 15 in one process (ms, stored after
- * each block -> while later k-steps compute): w13 with silu and the folded norm 6.90 -> 5.93
- * (plain w13, no silu, 6.22 ms), wo + residual 1.51 -> 1.35, w2 + residual 3.53 -> 3.25; a
- * layer's four 13.8 -> 12.3 (session 34). A plain store stays right after its block: deferred,
- * the embedded model's head at 150 rows (N 32,000, K 256) measured 10-15% slower and M's plain
- * w13 no faster. */
+/* Finished sums waiting for their store into y, `per` rows at each k-step of later work: with
+ * silu, a pair of panels' over the group during the next pair's k-steps (amx_blocked: silu's
+ * exp and division need more k-steps than a block has); with a residual, a tile's during the
+ * next tile's (amx_panels_first). So the vector work runs while the tiles compute instead of
+ * between their products. The 246M model's linears at 1,024 rows, 2 threads, medians of 15 in
+ * one process (ms, stored after each block -> while later k-steps compute; both then in
+ * amx_blocked): w13 with silu and the folded norm 6.90 -> 5.93 (plain w13, no silu, 6.22 ms),
+ * wo + residual 1.51 -> 1.35, w2 + residual 3.53 -> 3.25; a layer's four 13.8 -> 12.3
+ * (session 34). A plain store stays right after its block: deferred, the embedded model's head
+ * at 150 rows (N 32,000, K 256) measured 10-15% slower and M's plain w13 no faster. */
 struct amx_pending {
     const float *c, *gate; /* sums [rows][P]; with gate, y = silu(gate) * c (the same layout) */
-    const uint16_t *res;   /* else with res, y = res + c */
+    const uint16_t *res;   /* else y = res + c (ldres apart) */
     uint16_t *y;
-    long ldy, ldres, nvalid;
+    long ldy, ldres;
     int rows, done, per;
 };
 
@@ -302,23 +293,21 @@ static inline void amx_pending_rows(struct amx_pending *pd, int upto) {
     uint16_t *y = pd->y + m0 * pd->ldy;
     if (pd->gate)
         amx_store_silu(pd->gate + m0 * P, c, P, end - m0, y, pd->ldy);
-    else if (pd->res)
-        amx_store_add(c, P, end - m0, pd->res + m0 * pd->ldres, pd->ldres, y, pd->ldy);
     else
-        amx_store(c, P, end - m0, y, pd->ldy, pd->nvalid);
+        amx_store_add(c, P, end - m0, pd->res + m0 * pd->ldres, pd->ldres, y, pd->ldy);
     pd->done = end;
 }
 
 /* One block's 2 x 2 C tiles over k in [k0, k1): from zero at k0 == 0, else from the sums in a;
  * the weight panel's k-steps at wk, x's at xk (amx_x_block's strides). The streamed operand
- * is loaded with tileloaddt1: with x_kept the weights' (amx_panels_first), else with x_nt x's
- * (amx_blocked where K is chunked; unchunked, as in the embedded model's head at K 256, the
- * hint cost 3-4%). Each k-step stores `per` pending rows and prefetches the next panel (*pf up
- * to pf_end, pf_per lines a step). */
+ * is loaded with tileloaddt1 (the non-temporal hint): with w_nt the weights'
+ * (amx_panels_first), with x_nt x's (amx_blocked where K is chunked; unchunked, as in the
+ * embedded model's head at K 256, the hint cost 3-4%). Each k-step stores `per` pending rows
+ * and prefetches the next panel (*pf up to pf_end, pf_per lines a step). */
 static inline __attribute__((always_inline)) void
 amx_block_chunk(const uint16_t *xk, long xld, long xstep, long xhalf, const uint16_t *wk, long k0,
                 long k1, const float *a, struct amx_pending *pd, const char **pf,
-                const char *pf_end, long pf_per, const int x_kept, int x_nt) {
+                const char *pf_end, long pf_per, const int w_nt, int x_nt) {
     if (k0 == 0) {
         _tile_zero(0);
         _tile_zero(1);
@@ -332,19 +321,17 @@ amx_block_chunk(const uint16_t *xk, long xld, long xstep, long xhalf, const uint
     }
     for (long k = k0; k < k1; k += AMX_K, xk += xstep, wk += AMX_K * P) {
         for (long i = 0; i < pf_per && *pf < pf_end; i++, *pf += 64) __builtin_prefetch(*pf, 0, 2);
-        if (x_kept) { /* amx_panels_first: x's chunk kept in L1, the weights stream past */
+        if (w_nt) {
             _tile_stream_loadd(6, wk, 2 * P * 2);
             _tile_stream_loadd(7, wk + P, 2 * P * 2);
-            _tile_loadd(4, xk, xld);
-            _tile_loadd(5, xk + xhalf, xld);
-        } else if (x_nt) { /* K chunked: tileloaddt1 for x (see amx_kc) */
-            _tile_loadd(6, wk, 2 * P * 2);
-            _tile_loadd(7, wk + P, 2 * P * 2);
-            _tile_stream_loadd(4, xk, xld);
-            _tile_stream_loadd(5, xk + xhalf, xld);
         } else {
             _tile_loadd(6, wk, 2 * P * 2);
             _tile_loadd(7, wk + P, 2 * P * 2);
+        }
+        if (x_nt) {
+            _tile_stream_loadd(4, xk, xld);
+            _tile_stream_loadd(5, xk + xhalf, xld);
+        } else {
             _tile_loadd(4, xk, xld);
             _tile_loadd(5, xk + xhalf, xld);
         }
@@ -396,28 +383,24 @@ static struct amx_share amx_share_of(long M, long panels, int split_rows) {
  * by side, [blocks][K/32][32 rows][32], one 2 KB stream per block as the panel is one for B;
  * or in place); each panel against a group of blocks that fits in L2 while the panel stays in
  * L1/L2, k in chunks (amx_kc) with the group's sums waiting in the buffer between chunks.
- * With a residual or silu, the final sums are stored into y during later k-steps (struct
- * amx_pending); plain, right after each block.
- * ep (NULL: y = the rounded sums): with silu, wp holds 2N columns, gate panels then up
- * panels, and output panel q is silu(gate q) * up q, the group's gate and up sums waiting in
- * the buffer for their store during the next pair; with res, y = res + the rounded sums.
- * Without ep's buffer and no memory for one (never with silu): K is not chunked. */
+ * y = the rounded sums, stored right after each block; with silu (buf, amx_thread_floats
+ * floats, required), wp holds 2N columns, gate panels then up panels, and output panel q is
+ * silu(gate q) * up q, the group's gate and up sums waiting in buf for their store during the
+ * next pair (struct amx_pending). Without silu the buffer is its own, and without memory for
+ * it K is not chunked. */
 static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y, long ldy,
-                        long M, long N, long K, const struct amx_share *sh,
-                        const struct amx_epilogue *ep) {
+                        long M, long N, long K, const struct amx_share *sh, int silu,
+                        float *buf) {
     long b = sh->b, e = sh->e;
-    int silu = ep && ep->silu;
-    const uint16_t *res = ep ? ep->res : NULL;
-    long ldres = ep ? ep->ldres : 0;
     long kp_n = K / 2, pstride = kp_n * 2 * P;
     long group = amx_group(M, K), gf = group * AMX_XB * P, kc = amx_kc(K);
     long need = amx_thread_floats(M, K, silu);
-    float *own = NULL, *buf = ep ? ep->buf : NULL;
+    float *own = NULL;
     if (!buf && need && g_amx_buffers) buf = own = aligned_alloc(64, (size_t)need * 4);
     if (!buf) kc = K;
     float *acc = kc < K ? buf : NULL;
     float *pairs = silu ? buf + (acc ? gf : 0) : NULL; /* [2 turns][gate, up][group's sums] */
-    float bsums[AMX_XB * P] __attribute__((aligned(64))); /* a block's, waiting (no silu) */
+    float c[AMX_XB * P] __attribute__((aligned(64))); /* a block's sums (no silu) */
     struct amx_pending pd = {.rows = 0, .done = 0};
     long turn = 0; /* with silu: pairs stored so far */
     amx_configure(AMX_M);
@@ -447,14 +430,10 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
                         amx_store_tiles(a);
                     } else if (silu) {
                         amx_store_tiles(fin + (blk - g0) * AMX_XB * P);
-                    } else { /* with res, stored during the next block's k-steps */
-                        amx_pending_rows(&pd, AMX_XB);
-                        amx_store_tiles(bsums);
-                        pd = (struct amx_pending){bsums, NULL, res ? res + m0 * ldres + n0 : NULL,
-                                                  y + m0 * ldy + n0, ldy, ldres, nvalid,
-                                                  (int)(M - m0 < AMX_XB ? M - m0 : AMX_XB), 0,
-                                                  (int)((AMX_XB * AMX_K + kc - 1) / kc)};
-                        if (!res) amx_pending_rows(&pd, AMX_XB);
+                    } else {
+                        amx_store_tiles(c);
+                        amx_store(c, P, (int)(M - m0 < AMX_XB ? M - m0 : AMX_XB),
+                                  y + m0 * ldy + n0, ldy, nvalid);
                     }
                 }
             }
@@ -462,7 +441,7 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
                 amx_pending_rows(&pd, INT32_MAX);
                 long rows = (M < g1 * AMX_XB ? M : g1 * AMX_XB) - g0 * AMX_XB;
                 pd = (struct amx_pending){fin, fin - gf, NULL, y + g0 * AMX_XB * ldy + n0, ldy, 0,
-                                          nvalid, (int)rows, 0,
+                                          (int)rows, 0,
                                           (int)((rows + 2 * steps - 1) / (2 * steps))};
                 turn++;
             }
@@ -478,7 +457,8 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
 #define AMX_L2_W_BYTES (1024 * 1024)
 #endif
 
-/* The loops of amx_blocked the other way round, for the linears with a residual (wo, w2): a
+/* The loops of amx_blocked the other way round, for the linears with a residual res (wo, w2;
+ * ldres apart, whole panels): a
  * group of the thread's panels (as many as fit in AMX_L2_W_BYTES) stays in L2 while x's
  * blocks stream past once per group, each block's k-chunk of 512 kept in L1 across the
  * group's panels (the weights loaded with tileloaddt1, the sums between chunks waiting in a
@@ -486,11 +466,11 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
  * 246M model's linears at 1,024 rows with 16 copies of the weights (so that they stream from
  * memory as in the model), medians of 12 in one process: wo + res 1.30 -> 1.06 and 1.38 ->
  * 1.03 ms, w2 + res 3.36 -> 3.00 and 3.31 -> 3.04; wqkv (norm folded, split by rows) went
- * 1.52 -> 1.66 this way and keeps amx_blocked, as w13 with silu does (session 34; amx_probe.c's
- * MODE bit 8 in a /tmp copy had measured the loop order 1.1-1.2x on M's shapes). Without
- * memory for the buffer, K is not chunked. */
+ * 1.52 -> 1.66 this way and keeps amx_blocked, as w13 with silu does (session 34; a /tmp copy
+ * of amx_probe.c with this loop order had measured 1.11x on w13's shape, 1.24x on wo's and
+ * 1.04-1.07x on w2's). Without memory for the buffer, K is not chunked. */
 static void amx_panels_first(const struct amx_x *xs, const uint16_t *wp, uint16_t *y, long ldy,
-                             long M, long N, long K, const struct amx_share *sh,
+                             long M, long K, const struct amx_share *sh,
                              const uint16_t *res, long ldres) {
     long pstride = K * P, pg = AMX_L2_W_BYTES / (pstride * 2);
     long kc = K < AMX_KC_WIDE ? K : AMX_KC_WIDE;
@@ -518,15 +498,12 @@ static void amx_panels_first(const struct amx_x *xs, const uint16_t *wp, uint16_
                         amx_store_tiles(a);
                         continue;
                     }
-                    long n0 = p * P;
+                    long n0 = p * P; /* stored during the next tile's k-steps */
                     amx_pending_rows(&pd, AMX_XB);
                     amx_store_tiles(bsums);
-                    pd = (struct amx_pending){bsums, NULL, res ? res + m0 * ldres + n0 : NULL,
-                                              y + m0 * ldy + n0, ldy, ldres,
-                                              N - n0 < P ? N - n0 : P,
-                                              (int)(M - m0 < AMX_XB ? M - m0 : AMX_XB), 0,
-                                              (int)((AMX_XB * AMX_K + kc - 1) / kc)};
-                    if (!res) amx_pending_rows(&pd, AMX_XB);
+                    pd = (struct amx_pending){bsums, NULL, res + m0 * ldres + n0, y + m0 * ldy + n0,
+                                              ldy, ldres, (int)(M - m0 < AMX_XB ? M - m0 : AMX_XB),
+                                              0, (int)((AMX_XB * AMX_K + kc - 1) / kc)};
                 }
             }
         }
@@ -604,5 +581,5 @@ static void amx_in_region(const uint16_t *x, long ldx, const uint16_t *wp, uint1
     }
     struct amx_share sh = amx_share_of(M, panels, 0);
     struct amx_x xs = amx_x_of(x, ldx, M, K, (uint16_t *)xt, &sh, panels, NULL, 0.0f);
-    if (sh.b < sh.e && sh.bb < sh.be) amx_blocked(&xs, wp, y, ldy, M, N, K, &sh, NULL);
+    if (sh.b < sh.e && sh.bb < sh.be) amx_blocked(&xs, wp, y, ldy, M, N, K, &sh, 0, NULL);
 }

@@ -304,16 +304,16 @@ int tg_bf16_linear(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y,
 #endif
 
 #if TG_AMX
-/* amx_blocked over all its panels with an epilogue (each thread its amx_thread_floats buffer
- * after x's blocks), x copied first (RMSNorm'd by norm_w, eps where norm_w is not NULL): 0, or
- * -2 without memory. */
+/* tg_bf16_linear_fused on AMX: x copied first where it must be (RMSNorm'd by norm_w, eps where
+ * norm_w is not NULL); with res amx_panels_first, else amx_blocked (with silu each thread its
+ * amx_thread_floats buffer after x's blocks): 0, or -2 without memory. */
 static int amx_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *y, long ldy,
                      long M, long N, long K, int nthreads, const uint16_t *norm_w, float eps,
                      int silu, const uint16_t *res, long ldres) {
     long panels = N / P;
     if (nthreads > panels) nthreads = (int)panels;
     long x_bytes = (amx_copy_bytes(M, K) + 63) / 64 * 64;
-    long thread_floats = (amx_thread_floats(M, K, silu) + 15) / 16 * 16;
+    long thread_floats = silu ? (amx_thread_floats(M, K, 1) + 15) / 16 * 16 : 0;
     char *scratch = aligned_alloc(64, (size_t)x_bytes + (size_t)nthreads * thread_floats * 4);
     if (!scratch) return -2;
 #pragma omp parallel num_threads(nthreads)
@@ -322,13 +322,12 @@ static int amx_fused(const uint16_t *x, long ldx, const uint16_t *wp, uint16_t *
         struct amx_share sh = amx_share_of(M, panels, norm_w != NULL);
         struct amx_x xs = amx_x_of(x, ldx, M, K, (uint16_t *)scratch, &sh,
                                    panels * (silu ? 2 : 1), norm_w, eps);
-        struct amx_epilogue ep = {silu, res, ldres,
-                                  (float *)(scratch + x_bytes) + t * thread_floats};
+        float *buf = silu ? (float *)(scratch + x_bytes) + t * thread_floats : NULL;
         if (sh.b < sh.e && sh.bb < sh.be) {
             if (res) /* wo, w2: the weights' group kept, x streaming */
-                amx_panels_first(&xs, wp, y, ldy, M, N, K, &sh, res, ldres);
+                amx_panels_first(&xs, wp, y, ldy, M, K, &sh, res, ldres);
             else
-                amx_blocked(&xs, wp, y, ldy, M, N, K, &sh, &ep);
+                amx_blocked(&xs, wp, y, ldy, M, N, K, &sh, silu, buf);
         }
     }
     free(scratch);
