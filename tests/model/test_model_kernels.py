@@ -571,3 +571,30 @@ def test_bf16_elementwise_kernels_round_where_torch_rounds() -> None:
         kernel.rope_(got, heads, hd, cos_t, sin_t, threads)
         assert torch.equal(got[:, : heads * hd].view(rows, heads, hd), want)
         assert torch.equal(got[:, heads * hd :], qkv[:, heads * hd :]), "only `heads` heads"
+
+        # with kv: the last 2 rotated heads (K) and the 2 after them (V) into the caches, in
+        # bf16 and fp32, with the same rotation as without
+        nkv, hd2 = 2, 32
+        for dt in (bf, torch.float32):
+            qkv2 = torch.randn(rows, (heads + nkv) * hd2, generator=g).to(dt)
+            cos2, sin2 = (t.index_select(0, pos).to(dt) for t in _rope_table(512, hd2, 1e4))
+            slots = torch.randperm(3 * rows, generator=g)[:rows]
+            k_cache = torch.zeros(3 * rows // 4 + 1, 4, nkv, hd2, dtype=dt)
+            v_cache = torch.zeros_like(k_cache)
+            want2 = qkv2.clone()
+            kernel.rope_(want2, heads, hd2, cos2, sin2, threads)
+            got2 = qkv2.clone()
+            kernel.rope_(got2, heads, hd2, cos2, sin2, threads, kv=(nkv, slots, k_cache, v_cache))
+            assert torch.equal(got2, want2)
+            flat_k, flat_v = k_cache.view(-1, nkv, hd2), v_cache.view(-1, nkv, hd2)
+            assert torch.equal(
+                flat_k[slots], want2[:, (heads - nkv) * hd2 : heads * hd2].view(rows, nkv, hd2)
+            )
+            assert torch.equal(flat_v[slots], want2[:, heads * hd2 :].view(rows, nkv, hd2))
+            untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+            untouched[slots] = False
+            assert not flat_k[untouched].any() and not flat_v[untouched].any(), "only the slots"
+            with pytest.raises(ValueError, match="KV cache"):
+                kernel.rope_(
+                    got2, heads, hd2, cos2, sin2, 1, kv=(nkv, slots, k_cache.half(), v_cache)
+                )

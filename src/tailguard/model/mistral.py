@@ -120,23 +120,24 @@ class Attention(nn.Module):
         qkv = self.wqkv(x) if norm is None else project_normed(self.wqkv, x, norm)
         kernel = self.fused
         rope = self.fused_rope
-        if rope is not None and qkv.is_contiguous():  # q and k rotated in place, one pass
-            threads = torch.get_num_threads()
-            rope.rope_(qkv, self.n_head + self.n_kv, self.head_dim, cos[:, 0], sin[:, 0], threads)
-            q, k, v = qkv.split(self.split, dim=-1)
-            q = q.view(n_tok, self.n_head, self.head_dim)  # [T, nh, hd], rows strided
-            k = k.view(n_tok, self.n_kv, self.head_dim)
+        # This step's K/V are written first, so each group then reads its context (own new
+        # tokens included) from the cache alone. Padding tokens write into the null block.
+        k_cache, v_cache = kv_cache
+        fuse_kv = k_cache.dtype == qkv.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+        if rope is not None and qkv.is_contiguous() and fuse_kv:
+            # q and k rotated in place and K/V written to the cache, one pass over the rows
+            rope.rope_(
+                qkv, self.n_head + self.n_kv, self.head_dim, cos[:, 0], sin[:, 0],
+                torch.get_num_threads(), kv=(self.n_kv, batch.slot_mapping, k_cache, v_cache),
+            )  # fmt: skip
+            q = qkv[:, : self.n_head * self.head_dim].view(n_tok, self.n_head, self.head_dim)
         else:
             q, k, v = qkv.split(self.split, dim=-1)
             q = apply_rope(q.view(n_tok, self.n_head, self.head_dim), cos, sin)  # [T, nh, hd]
             k = apply_rope(k.view(n_tok, self.n_kv, self.head_dim), cos, sin)  # [T, nkv, hd]
-        v = v.view(n_tok, self.n_kv, self.head_dim)  # [T, nkv, hd]
-
-        # Write this step's K/V first, so each group then reads its context (own new tokens
-        # included) from the cache alone. Padding tokens write into the reserved null block.
-        k_cache, v_cache = kv_cache
-        k_cache.view(-1, self.n_kv, self.head_dim).index_copy_(0, batch.slot_mapping, k)
-        v_cache.view(-1, self.n_kv, self.head_dim).index_copy_(0, batch.slot_mapping, v)
+            v = v.view(n_tok, self.n_kv, self.head_dim)  # [T, nkv, hd]
+            k_cache.view(-1, self.n_kv, self.head_dim).index_copy_(0, batch.slot_mapping, k)
+            v_cache.view(-1, self.n_kv, self.head_dim).index_copy_(0, batch.slot_mapping, v)
 
         # Row T of both buffers is the padding row: padded queries read zeros from it and
         # their outputs land there, so flat padding rows stay zero (finite) and nothing races.

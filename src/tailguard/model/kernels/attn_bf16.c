@@ -102,8 +102,15 @@ static inline vf exp_p(vf x) {
 
 /* max of s[lo..hi] (a scalar loop was half of the whole kernel's time: one vmaxss chain). */
 static float span_max(const float *s, long lo, long hi) {
-    __m512 m = _mm512_set1_ps(-INFINITY);
+    __m512 m = _mm512_set1_ps(-INFINITY), m1 = m, m2 = m, m3 = m;
     long j = lo;
+    for (; j + 64 <= hi + 1; j += 64) { /* four chains: one vmaxps chain is latency-bound */
+        m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+        m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + j + 16));
+        m2 = _mm512_max_ps(m2, _mm512_loadu_ps(s + j + 32));
+        m3 = _mm512_max_ps(m3, _mm512_loadu_ps(s + j + 48));
+    }
+    m = _mm512_max_ps(_mm512_max_ps(m, m1), _mm512_max_ps(m2, m3));
     for (; j + 16 <= hi + 1; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
     if (j <= hi) {
         __mmask16 k = (__mmask16)((1u << (hi + 1 - j)) - 1);

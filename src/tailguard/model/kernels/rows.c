@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define BLOCK 256
 #define REP_MAX 16 /* query heads per KV head the decode attention takes (nh / nkv) */
@@ -384,7 +385,7 @@ int tg_decode_attention_bf16(const uint16_t *q, long q_ld, const long *q_rows, l
                             ctx_lens, max_ctx, bs, nh, nkv, hd, scale, window, out, out_ld,
                             nthreads, 1);
 }
-int tg_rows_abi(void) { return 7; }
+int tg_rows_abi(void) { return 8; }
 /* ---- fused elementwise ops of a forward (fp32, rows of a contiguous [T, ...] tensor) ---- */
 
 /* y = w * (x * rsqrt(mean(x^2) + eps)) over one row of H floats, H % VL == 0. */
@@ -437,11 +438,6 @@ static inline void rope_row(float *v, long heads, long hd, const float *c, const
         }
 }
 
-/* RoPE in place on the first `heads` heads of each row of x [T, ld], cos / sin [T, hd]. */
-void tg_rope(float *x, long ld, long T, long heads, long hd, const float *cos_t,
-             const float *sin_t) {
-    for (long t = 0; t < T; t++) rope_row(x + t * ld, heads, hd, cos_t + t * hd, sin_t + t * hd);
-}
 
 /* ---- the same three ops on bf16 rows, rounding where torch's bf16 ops round ----
  * RMSNorm: transformers normalises in fp32, rounds to bf16, then multiplies by the bf16
@@ -500,11 +496,30 @@ void tg_silu_mul_bf16(const uint16_t *gu, uint16_t *y, long T, long I, int nthre
     for (long t = 0; t < T; t++) silu_row_bf16(gu + t * 2 * I, gu + t * 2 * I + I, y + t * I, I);
 }
 
-void tg_rope_bf16(uint16_t *x, long ld, long T, long heads, long hd, const uint16_t *cos_t,
-                  const uint16_t *sin_t, int nthreads) {
+/* RoPE in place on the first `heads` heads of each row of x [T, ld] (fp32, or bf16 rounded as
+ * torch's bf16 ops round), cos / sin [T, hd] in x's dtype; with slots, row t's last nkv
+ * rotated heads (K) and the nkv heads after them (V) also copied into slot slots[t] of k_cache
+ * / v_cache ([slots][nkv][hd]): the step's KV write in the same pass over the rows, instead of
+ * two index_copy_ calls reading K and V back (session 35). Padding rows may share a slot (the
+ * null block's): their copies race there, as index_copy_'s would, to garbage nobody reads. */
+void tg_rope_kv(void *x, long ld, long T, long heads, long hd, const void *cos_t,
+                const void *sin_t, int bf16, long nkv, const long *slots, void *k_cache,
+                void *v_cache, int nthreads) {
+    long es = bf16 ? 2 : 4, kv_bytes = nkv * hd * es;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 16)
-    for (long t = 0; t < T; t++)
-        rope_row_bf16(x + t * ld, heads, hd, cos_t + t * hd, sin_t + t * hd);
+    for (long t = 0; t < T; t++) {
+        char *row = (char *)x + t * ld * es;
+        if (bf16)
+            rope_row_bf16((uint16_t *)row, heads, hd, (const uint16_t *)cos_t + t * hd,
+                          (const uint16_t *)sin_t + t * hd);
+        else
+            rope_row((float *)row, heads, hd, (const float *)cos_t + t * hd,
+                     (const float *)sin_t + t * hd);
+        if (!slots) continue;
+        const char *k = row + (heads - nkv) * hd * es;
+        memcpy((char *)k_cache + slots[t] * kv_bytes, k, (size_t)kv_bytes);
+        memcpy((char *)v_cache + slots[t] * kv_bytes, k + kv_bytes, (size_t)kv_bytes);
+    }
 }
 
 /* y[i] = x[i] rounded to bf16 as every bf16 kernel here rounds (rne, store_bf16): the self-check

@@ -22,7 +22,7 @@ from tailguard.model.kernels.build import Loader
 __all__ = ["RowKernel", "load_row_kernel", "row_kernel_unavailable_reason", "self_check"]
 
 SOURCE = Path(__file__).with_name("rows.c")
-ABI = 7
+ABI = 8
 MAX_BF16_HEAD_DIM = 256  # rows.c HD_MAX: the bf16 decode attention's fp32 copy of the queries
 MAX_REP = 16  # rows.c REP_MAX: query heads per KV head the decode attention takes
 
@@ -63,9 +63,13 @@ class RowKernel:
         self._silu = lib.tg_silu_mul
         self._silu.restype = None
         self._silu.argtypes = [c_void_p, c_void_p, c_long, c_long]
-        self._rope = lib.tg_rope
+        self._rope = lib.tg_rope_kv
         self._rope.restype = None
-        self._rope.argtypes = [c_void_p, c_long, c_long, c_long, c_long, c_void_p, c_void_p]
+        # x, ld, T, heads, hd, cos, sin, bf16, nkv, slots, k_cache, v_cache, threads
+        self._rope.argtypes = [
+            c_void_p, c_long, c_long, c_long, c_long, c_void_p, c_void_p, c_int, c_long,
+            c_void_p, c_void_p, c_void_p, c_int,
+        ]  # fmt: skip
         c_int = ctypes.c_int
         self._rms_bf16 = lib.tg_rms_norm_bf16
         self._rms_bf16.restype = None
@@ -73,9 +77,6 @@ class RowKernel:
         self._silu_bf16 = lib.tg_silu_mul_bf16
         self._silu_bf16.restype = None
         self._silu_bf16.argtypes = [*self._silu.argtypes, c_int]
-        self._rope_bf16 = lib.tg_rope_bf16
-        self._rope_bf16.restype = None
-        self._rope_bf16.argtypes = [*self._rope.argtypes, c_int]
         self._round = lib.tg_round_bf16
         self._round.restype = None
         self._round.argtypes = [c_void_p, c_void_p, c_long]
@@ -114,16 +115,36 @@ class RowKernel:
         return y
 
     def rope_(
-        self, x: Tensor, heads: int, head_dim: int, cos: Tensor, sin: Tensor, threads: int = 1
+        self,
+        x: Tensor,
+        heads: int,
+        head_dim: int,
+        cos: Tensor,
+        sin: Tensor,
+        threads: int = 1,
+        kv: tuple[int, Tensor, Tensor, Tensor] | None = None,
     ) -> None:
         """Rotate-half RoPE in place on the first `heads` heads of each row of contiguous
         x [T, >= heads * head_dim]; cos, sin contiguous [T, head_dim]. bf16: head_dim / 2 a
-        whole number of lanes."""
+        whole number of lanes. With kv = (nkv, slots [T] int64, k_cache, v_cache), each row's
+        last nkv rotated heads (K) and the nkv after them (V) are also written to its slot
+        of the caches (contiguous [..., nkv, head_dim] in x's dtype), in the same pass."""
+        nkv, slots, kc, vc = 0, None, None, None
+        if kv is not None:
+            nkv, slot_t, k_cache, v_cache = kv
+            for c in (k_cache, v_cache):
+                if c.dtype != x.dtype or not c.is_contiguous() or c.shape[-2:] != (nkv, head_dim):
+                    raise ValueError(
+                        f"KV cache must be contiguous {x.dtype} [..., {nkv}, {head_dim}]"
+                    )
+            if slot_t.dtype != torch.int64 or slot_t.shape != (x.shape[0],):
+                raise ValueError(f"slots must be int64 [{x.shape[0]}]: got {slot_t.dtype}")
+            if not 0 < nkv <= heads or slot_t.stride(0) != 1:
+                raise ValueError(f"need 0 < nkv <= heads and unit-stride slots: nkv={nkv}")
+            slots, kc, vc = slot_t.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+        bf16 = int(x.dtype == torch.bfloat16)
         args = (x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim)
-        if x.dtype == torch.bfloat16:
-            self._rope_bf16(*args, cos.data_ptr(), sin.data_ptr(), threads)
-        else:
-            self._rope(*args, cos.data_ptr(), sin.data_ptr())
+        self._rope(*args, cos.data_ptr(), sin.data_ptr(), bf16, nkv, slots, kc, vc, threads)
 
     def decode_attention(
         self,
