@@ -115,6 +115,7 @@ class Attention(nn.Module):
         kv_cache: tuple[Tensor, Tensor],  # each [num_blocks, block_size, nkv, hd]
         residual: Tensor | None = None,  # [T, H] added to the output (the layer's input)
         norm: RMSNorm | None = None,  # x is normalised by it first (in wqkv's x copy if it can)
+        out: Tensor | None = None,  # [T+1, nh*hd] zero-filled, shared by a step's layers
     ) -> Tensor:
         n_tok = x.shape[0]
         qkv = self.wqkv(x) if norm is None else project_normed(self.wqkv, x, norm)
@@ -141,7 +142,10 @@ class Attention(nn.Module):
 
         # Row T of both buffers is the padding row: padded queries read zeros from it and
         # their outputs land there, so flat padding rows stay zero (finite) and nothing races.
-        out = x.new_zeros(n_tok + 1, self.n_head * self.head_dim)  # [T+1, nh*hd]
+        # Every real token's row is written below in every layer, so one zero-filled buffer
+        # serves a step's layers (MistralModel.forward: a 2-MiB fill a layer at 1,024 tokens).
+        if out is None:
+            out = x.new_zeros(n_tok + 1, self.n_head * self.head_dim)  # [T+1, nh*hd]
         q_ext: Tensor | None = None  # [T+1, nh, hd], made for the torch path only
         for group, mask in zip(batch.groups, masks, strict=True):  # a few groups, not sequences
             if mask is None:
@@ -270,8 +274,11 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         masks: list[Mask],
         kv_cache: tuple[Tensor, Tensor],
+        attn_out: Tensor | None = None,  # [T+1, nh*hd] zero-filled, shared by a step's layers
     ) -> Tensor:
-        x = self.attn(x, cos, sin, batch, masks, kv_cache, residual=x, norm=self.attn_norm)
+        x = self.attn(
+            x, cos, sin, batch, masks, kv_cache, residual=x, norm=self.attn_norm, out=attn_out
+        )
         return self.mlp(x, residual=x, norm=self.ffn_norm)
 
 
@@ -320,8 +327,10 @@ class MistralModel(nn.Module):
         sin = self.rope_sin.index_select(0, batch.positions).to(x.dtype)[:, None]  # [T, 1, hd]
         block_size = kv_caches[0][0].shape[1]
         masks = [self._group_mask(g, x, block_size) for g in batch.groups]  # once per step
+        c = self.config
+        attn_out = x.new_zeros(x.shape[0] + 1, c.num_attention_heads * c.head_dim)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, batch, masks, kv_cache)
+            x = layer(x, cos, sin, batch, masks, kv_cache, attn_out)
         return self.norm(x)
 
     def _group_mask(self, group: AttnGroup, x: Tensor, block_size: int) -> Mask:
