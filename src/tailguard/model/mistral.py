@@ -125,7 +125,8 @@ class Attention(nn.Module):
         # tokens included) from the cache alone. Padding tokens write into the null block.
         k_cache, v_cache = kv_cache
         fuse_kv = k_cache.dtype == qkv.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
-        if rope is not None and qkv.is_contiguous() and fuse_kv:
+        rotated = rope is not None and qkv.is_contiguous() and fuse_kv  # q and k in qkv's rows
+        if rope is not None and rotated:
             # q and k rotated in place and K/V written to the cache, one pass over the rows
             rope.rope_(
                 qkv, self.n_head + self.n_kv, self.head_dim, cos[:, 0], sin[:, 0],
@@ -158,7 +159,7 @@ class Attention(nn.Module):
                 )  # fmt: skip
                 continue
             if isinstance(mask, ChunkMask):
-                if self.prefill is not None and rope is not None:
+                if self.prefill is not None and rotated:  # it reads K and V from qkv's rows
                     self.prefill.attend(
                         qkv, group.token_index[:, 0], group.context_lens - group.query_start,
                         self.n_head, self.n_kv, self.head_dim, self.window, out,
