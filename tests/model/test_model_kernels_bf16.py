@@ -254,6 +254,21 @@ def test_folded_rms_norm_gives_the_two_calls_bits(
         kernel.linear_fused(x, w, norm=(torch.ones(k), 1e-5))
 
 
+def test_pack_lays_out_pairs_of_k_per_panel(kernel: Bf16Kernel) -> None:
+    """tg_bf16_pack (and the attention's key packing, the same pack_rows): panel p holds, for
+    each pair of k, the pair of every one of its 32 rows side by side, zeros past N and K (the
+    gathers' path for even K, the scalar loop for odd K; partial last panels)."""
+    g = torch.Generator().manual_seed(13)
+    for n, k in ((1, 2), (31, 64), (32, 64), (33, 65), (70, 256), (100, 7)):
+        w = torch.randn(n, k, generator=g).bfloat16()
+        got = kernel.pack(w).panels
+        width = kernel.width
+        padded = torch.zeros(-(-n // width) * width, -(-k // 2) * 2, dtype=torch.bfloat16)
+        padded[:n, :k] = w
+        want = padded.view(-1, width, padded.shape[1] // 2, 2).permute(0, 2, 1, 3)
+        assert torch.equal(got, want.reshape(got.shape)), (n, k)
+
+
 def test_kernel_refuses_what_it_cannot_read(kernel: Bf16Kernel) -> None:
     wp = kernel.pack(torch.randn(8, 16).bfloat16())
     with pytest.raises(ValueError, match="bf16 x"):
