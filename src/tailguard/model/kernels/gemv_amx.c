@@ -275,14 +275,17 @@ static long amx_thread_floats(long M, long K, int silu) {
  * one process (ms, stored after each block -> while later k-steps compute; both then in
  * amx_blocked): w13 with silu and the folded norm 6.90 -> 5.93 (plain w13, no silu, 6.22 ms),
  * wo + residual 1.51 -> 1.35, w2 + residual 3.53 -> 3.25; a layer's four 13.8 -> 12.3
- * (session 34). A plain store stays right after its block: deferred, the embedded model's head
- * at 150 rows (N 32,000, K 256) measured 10-15% slower and M's plain w13 no faster. */
+ * (session 34). A plain store waits for the next block's k-steps only where K is chunked
+ * (amx_blocked): wqkv + norm 1.42 / 1.49 -> 1.38 / 1.33 ms (session 35); with K unchunked,
+ * as in the embedded model's head at 150 rows (N 32,000, K 256), deferred it measured 10-15%
+ * slower (session 34). */
 struct amx_pending {
     const float *c, *gate; /* sums [rows][P]; with gate, y = silu(gate) * c (the same layout) */
-    const uint16_t *res;   /* else y = res + c (ldres apart) */
+    const uint16_t *res;   /* else with res y = res + c (ldres apart), else y = c */
     uint16_t *y;
     long ldy, ldres;
     int rows, done, per;
+    long nvalid; /* neither gate nor res: y = c, its first nvalid columns */
 };
 
 /* Store the pending rows [done, upto). */
@@ -293,8 +296,10 @@ static inline void amx_pending_rows(struct amx_pending *pd, int upto) {
     uint16_t *y = pd->y + m0 * pd->ldy;
     if (pd->gate)
         amx_store_silu(pd->gate + m0 * P, c, P, end - m0, y, pd->ldy);
-    else
+    else if (pd->res)
         amx_store_add(c, P, end - m0, pd->res + m0 * pd->ldres, pd->ldres, y, pd->ldy);
+    else
+        amx_store(c, P, end - m0, y, pd->ldy, pd->nvalid);
     pd->done = end;
 }
 
@@ -383,7 +388,8 @@ static struct amx_share amx_share_of(long M, long panels, int split_rows) {
  * by side, [blocks][K/32][32 rows][32], one 2 KB stream per block as the panel is one for B;
  * or in place); each panel against a group of blocks that fits in L2 while the panel stays in
  * L1/L2, k in chunks (amx_kc) with the group's sums waiting in the buffer between chunks.
- * y = the rounded sums, stored right after each block; with silu (buf, amx_thread_floats
+ * y = the rounded sums, stored during the next block's k-steps where K is chunked (else
+ * right after the block); with silu (buf, amx_thread_floats
  * floats, required), wp holds 2N columns, gate panels then up panels, and output panel q is
  * silu(gate q) * up q, the group's gate and up sums waiting in buf for their store during the
  * next pair (struct amx_pending). Without silu the buffer is its own, and without memory for
@@ -400,7 +406,8 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
     if (!buf) kc = K;
     float *acc = kc < K ? buf : NULL;
     float *pairs = silu ? buf + (acc ? gf : 0) : NULL; /* [2 turns][gate, up][group's sums] */
-    float c[AMX_XB * P] __attribute__((aligned(64))); /* a block's sums (no silu) */
+    float c[2][AMX_XB * P] __attribute__((aligned(64))); /* blocks' sums (no silu), 2 turns */
+    long cturn = 0;
     struct amx_pending pd = {.rows = 0, .done = 0};
     long turn = 0; /* with silu: pairs stored so far */
     amx_configure(AMX_M);
@@ -430,9 +437,16 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
                         amx_store_tiles(a);
                     } else if (silu) {
                         amx_store_tiles(fin + (blk - g0) * AMX_XB * P);
+                    } else if (kc < K) { /* stored during the next block's k-steps */
+                        float *cb = c[cturn++ % 2];
+                        amx_pending_rows(&pd, INT32_MAX);
+                        amx_store_tiles(cb);
+                        pd = (struct amx_pending){cb, NULL, NULL, y + m0 * ldy + n0, ldy, 0,
+                                                  (int)(M - m0 < AMX_XB ? M - m0 : AMX_XB), 0,
+                                                  (int)((AMX_XB * AMX_K + kc - 1) / kc), nvalid};
                     } else {
-                        amx_store_tiles(c);
-                        amx_store(c, P, (int)(M - m0 < AMX_XB ? M - m0 : AMX_XB),
+                        amx_store_tiles(c[0]);
+                        amx_store(c[0], P, (int)(M - m0 < AMX_XB ? M - m0 : AMX_XB),
                                   y + m0 * ldy + n0, ldy, nvalid);
                     }
                 }
@@ -442,7 +456,7 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
                 long rows = (M < g1 * AMX_XB ? M : g1 * AMX_XB) - g0 * AMX_XB;
                 pd = (struct amx_pending){fin, fin - gf, NULL, y + g0 * AMX_XB * ldy + n0, ldy, 0,
                                           (int)rows, 0,
-                                          (int)((rows + 2 * steps - 1) / (2 * steps))};
+                                          (int)((rows + 2 * steps - 1) / (2 * steps)), P};
                 turn++;
             }
         }
@@ -503,7 +517,7 @@ static void amx_panels_first(const struct amx_x *xs, const uint16_t *wp, uint16_
                     amx_store_tiles(bsums);
                     pd = (struct amx_pending){bsums, NULL, res + m0 * ldres + n0, y + m0 * ldy + n0,
                                               ldy, ldres, (int)(M - m0 < AMX_XB ? M - m0 : AMX_XB),
-                                              0, (int)((AMX_XB * AMX_K + kc - 1) / kc)};
+                                              0, (int)((AMX_XB * AMX_K + kc - 1) / kc), P};
                 }
             }
         }
