@@ -19,7 +19,8 @@ the run can flatter or wrong the step.
 
 --prefill-peak times the prefill of --batch x --prompt tokens (every step until each prompt
 has its first token) against the FLOPs it needs and bench_engine.py's matmul peak (2048^3
-products for 1 s) in the same dtype on the same threads (the compute bound).
+products for 1 s) in the same dtype on the same threads (the compute bound); --parts adds
+where those steps' time goes, by kernel call (bf16 kernels; the linears by shape).
 --ab-fused runs op by op (fused_decode=False), then the fused decode stack (model/kernels/
 decode.c), and prints both against the bound last; --no-fused-decode runs op by op alone.
 --ab-kernel runs the step twice in one run, oneDNN only (small_m_kernel=False) then our
@@ -57,7 +58,10 @@ from tailguard.engine.protocol import UpdateMsg
 from tailguard.model.config import MistralConfig
 from tailguard.model.embedded import default_model_dir
 from tailguard.model.kernels import (
+    Bf16Kernel,
     LinearKernel,
+    PrefillAttention,
+    RowKernel,
     bf16_kernel_unavailable_reason,
     load_bf16_kernel,
     load_small_m_kernel,
@@ -109,6 +113,40 @@ def quick_bandwidth(threads: int, mbytes: int = 512) -> Any:
 
 
 PREFILL_STEPS: list[float] = []  # the last run's prefill steps (until every first token), s
+PARTS: dict[str, float] = {}  # --parts: seconds in each kernel call kind over the prefill steps
+PARTS_ON = [False]  # --parts: inside a prefill step
+
+
+def time_parts() -> None:
+    """--parts: every call of the kernels a prefill step makes is timed, by kind (the linears by
+    their shape), while PARTS_ON[0]: the Python around each call is included, the rest of the
+    step (torch ops, the layers' own Python) is what the step's time leaves."""
+
+    def wrap(cls: Any, name: str, tag: Any) -> None:
+        inner = getattr(cls, name)
+
+        def timed(self: Any, *a: Any, **k: Any) -> Any:
+            if not PARTS_ON[0]:
+                return inner(self, *a, **k)
+            t0 = time.perf_counter()
+            out = inner(self, *a, **k)
+            key = tag(a, k)
+            PARTS[key] = PARTS.get(key, 0.0) + time.perf_counter() - t0
+            return out
+
+        setattr(cls, name, timed)
+
+    def linear_tag(a: Any, k: Any) -> str:
+        w = a[1]
+        on = [n for n in ("norm", "silu", "residual") if k.get(n) is not None and k[n] is not False]
+        extra = "+".join(on)
+        return f"linear N={w.out_features} K={w.in_features}" + (f" +{extra}" if extra else "")
+
+    wrap(Bf16Kernel, "linear_fused", linear_tag)
+    wrap(Bf16Kernel, "linear", lambda a, k: f"linear N={a[1].out_features} (plain: head, small)")
+    wrap(PrefillAttention, "attend", lambda a, k: "prefill attention")
+    wrap(RowKernel, "rope_", lambda a, k: "RoPE (+ K/V write)")
+    wrap(RowKernel, "decode_attention", lambda a, k: "decode rows' attention")
 
 
 def _timed(fn: Any) -> float:
@@ -216,6 +254,11 @@ def main() -> None:
     )
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
+        "--parts",
+        action="store_true",
+        help="with --prefill-peak: ms a prefill step in each kernel call kind (linears by shape)",
+    )
+    ap.add_argument(
         "--paired-bound",
         action="store_true",
         help="read the bandwidth after every decode step and report the median of each "
@@ -237,6 +280,8 @@ def main() -> None:
     if args.matmuls:
         micro(cfg, args.batch, args.threads, getattr(torch, args.dtype))
     if args.prefill_peak:
+        if args.parts:
+            time_parts()
         torch.set_num_threads(args.threads)
         peak = matmul_flops(getattr(torch, args.dtype)) / 1e9  # bench_engine's MFU peak
         flops = prefill_flops(cfg, args.batch, args.prompt)
@@ -250,6 +295,13 @@ def main() -> None:
             f"{peak / got:.2f}x the compute bound"
         )
         print(f"prefill steps (ms): {[round(x * 1e3) for x in PREFILL_STEPS]}")
+        if args.parts:
+            n = len(PREFILL_STEPS)
+            print(f"where a prefill step goes (ms a step, mean of {n}; --parts):")
+            for key, sec in sorted(PARTS.items(), key=lambda kv: -kv[1]):
+                print(f"  {sec / n * 1e3:7.1f}  {key}")
+            rest = took - sum(PARTS.values())
+            print(f"  {rest / n * 1e3:7.1f}  the rest (torch ops, Python, the step around it)")
         return
     if args.ab_fused:
         op, fused = (run_engine(args, model, not args.no_kernel, f) for f in (False, True))
@@ -351,6 +403,7 @@ def run_engine(
         started: set[str] = set()  # requests with a first token
         prefill_steps = 0  # steps until every prompt is in (several when the budget chunks it)
         while core.has_work():
+            PARTS_ON[0] = len(started) < args.batch
             t0 = time.perf_counter()
             outs = core.step()
             t1 = time.perf_counter()
@@ -369,6 +422,7 @@ def run_engine(
     probe = quick_bandwidth(args.threads) if args.paired_bound else None
     rates: list[float] = []
     run("warm")
+    PARTS.clear()  # --parts: the measured run's prefill steps only
     rates.clear()
     steps, fwd, enc = run("run")
     s, f, e = (statistics.median(x) * 1e3 for x in (steps, fwd, enc))
