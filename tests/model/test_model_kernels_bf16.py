@@ -143,10 +143,11 @@ def test_x_read_in_place_or_copied_gives_the_same_bits(
 def test_amx_blocked_path_without_its_buffer_gives_the_same_bits(
     kernel: Bf16Kernel, amx: bool, threads: int
 ) -> None:
-    """Above 32 rows on AMX, `linear` keeps its sums between k-chunks in a per-thread buffer,
-    and does without (K unchunked) where there is no memory for it. The same bits either way
-    (K 64 to 2,816, one and two x groups, a padded last block, a partial last panel), and
-    within one bf16 rounding of the exact product."""
+    """Above 32 rows on AMX, `linear` keeps its sums between k-chunks in a per-thread buffer
+    (and stores each block's outputs during the next block's k-steps), and does without (K
+    unchunked, each block stored right away) where there is no memory for it. The same bits
+    either way (K 64 to 2,816, one and two x groups, a padded last block, a partial last
+    panel), and within one bf16 rounding of the exact product."""
     if not amx:
         pytest.skip("the AMX blocked path only")
     g = torch.Generator().manual_seed(12)

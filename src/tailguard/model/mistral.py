@@ -125,9 +125,10 @@ class Attention(nn.Module):
         # tokens included) from the cache alone. Padding tokens write into the null block.
         k_cache, v_cache = kv_cache
         fuse_kv = k_cache.dtype == qkv.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
-        rotated = rope is not None and qkv.is_contiguous() and fuse_kv  # q and k in qkv's rows
-        if rope is not None and rotated:
+        rotated = False  # q and k rotated in qkv's own rows (the prefill kernel reads them there)
+        if rope is not None and qkv.is_contiguous() and fuse_kv:
             # q and k rotated in place and K/V written to the cache, one pass over the rows
+            rotated = True
             rope.rope_(
                 qkv, self.n_head + self.n_kv, self.head_dim, cos[:, 0], sin[:, 0],
                 torch.get_num_threads(), kv=(self.n_kv, batch.slot_mapping, k_cache, v_cache),
@@ -159,7 +160,7 @@ class Attention(nn.Module):
                 )  # fmt: skip
                 continue
             if isinstance(mask, ChunkMask):
-                if self.prefill is not None and rotated:  # it reads K and V from qkv's rows
+                if self.prefill is not None and rotated:
                     self.prefill.attend(
                         qkv, group.token_index[:, 0], group.context_lens - group.query_start,
                         self.n_head, self.n_kv, self.head_dim, self.window, out,

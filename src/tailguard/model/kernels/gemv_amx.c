@@ -406,8 +406,7 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
     if (!buf) kc = K;
     float *acc = kc < K ? buf : NULL;
     float *pairs = silu ? buf + (acc ? gf : 0) : NULL; /* [2 turns][gate, up][group's sums] */
-    float c[2][AMX_XB * P] __attribute__((aligned(64))); /* blocks' sums (no silu), 2 turns */
-    long cturn = 0;
+    float c[AMX_XB * P] __attribute__((aligned(64))); /* a block's sums (no silu) */
     struct amx_pending pd = {.rows = 0, .done = 0};
     long turn = 0; /* with silu: pairs stored so far */
     amx_configure(AMX_M);
@@ -437,17 +436,13 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
                         amx_store_tiles(a);
                     } else if (silu) {
                         amx_store_tiles(fin + (blk - g0) * AMX_XB * P);
-                    } else if (kc < K) { /* stored during the next block's k-steps */
-                        float *cb = c[cturn++ % 2];
+                    } else { /* stored during the next block's k-steps where K is chunked */
                         amx_pending_rows(&pd, INT32_MAX);
-                        amx_store_tiles(cb);
-                        pd = (struct amx_pending){cb, NULL, NULL, y + m0 * ldy + n0, ldy, 0,
+                        amx_store_tiles(c);
+                        pd = (struct amx_pending){c, NULL, NULL, y + m0 * ldy + n0, ldy, 0,
                                                   (int)(M - m0 < AMX_XB ? M - m0 : AMX_XB), 0,
                                                   (int)((AMX_XB * AMX_K + kc - 1) / kc), nvalid};
-                    } else {
-                        amx_store_tiles(c[0]);
-                        amx_store(c[0], P, (int)(M - m0 < AMX_XB ? M - m0 : AMX_XB),
-                                  y + m0 * ldy + n0, ldy, nvalid);
+                        if (kc == K) amx_pending_rows(&pd, INT32_MAX); /* unchunked: now */
                     }
                 }
             }

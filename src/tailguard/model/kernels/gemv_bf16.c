@@ -83,17 +83,16 @@ static void pack_rows(const uint16_t *w, long ldw, uint16_t *wp, long N, long K)
 #if defined(__AVX512F__)
     /* a panel's pairs of k are a transpose of 32-bit words: two gathers of 16 rows a pair (the
      * scalar loop below had been ~0.2 ms of a 2 x 512-token prefill attention call, packing
-     * its keys; session 35). Rows past N read as zeros. */
-    if (K % 2 == 0 && ldw % 2 == 0 && ldw / 2 * (P - 1) <= INT32_MAX && !((uintptr_t)w & 3)) {
+     * its keys; session 35). Rows past N read as zeros; the gathers' 32-bit word offsets
+     * reach 15 rows. */
+    if (K % 2 == 0 && ldw % 2 == 0 && ldw / 2 * 15 <= INT32_MAX && !((uintptr_t)w & 3)) {
         const int *w32 = (const int *)w;
         __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         __m512i idx = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)(ldw / 2)));
         for (long p = 0; p < panels; p++) {
             long rows = N - p * P < P ? N - p * P : P;
-            __mmask16 lo = rows >= 16 ? 0xFFFF : (__mmask16)((1u << rows) - 1);
-            __mmask16 hi = rows >= 32   ? 0xFFFF
-                           : rows <= 16 ? 0
-                                        : (__mmask16)((1u << (rows - 16)) - 1);
+            uint32_t valid = rows == P ? 0xFFFFFFFFu : (1u << rows) - 1; /* P == 32 rows */
+            __mmask16 lo = (__mmask16)valid, hi = (__mmask16)(valid >> 16);
             const int *b0 = w32 + p * P * (ldw / 2), *b1 = b0 + 16 * (ldw / 2);
             int *dst = (int *)(wp + p * kp_n * 2 * P);
             for (long kp = 0; kp < kp_n; kp++, dst += P) {

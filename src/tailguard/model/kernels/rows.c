@@ -438,7 +438,6 @@ static inline void rope_row(float *v, long heads, long hd, const float *c, const
         }
 }
 
-
 /* ---- the same three ops on bf16 rows, rounding where torch's bf16 ops round ----
  * RMSNorm: transformers normalises in fp32, rounds to bf16, then multiplies by the bf16
  * weight (rounded again); silu(gate) rounds, then the product with up rounds; RoPE rounds each
