@@ -71,6 +71,7 @@ int tg_decode_stack(const struct tg_layer *layers, long n_layers, const struct t
 #else
         float *p = scores;
 #endif
+        long real[nseq > 0 ? nseq : 1], nreal = real_seqs(q_rows, nseq, T, real);
         for (long l = 0; l < n_layers; l++) {
             const struct tg_layer *L = layers + l;
 #pragma omp for schedule(static)
@@ -88,13 +89,13 @@ int tg_decode_stack(const struct tg_layer *layers, long n_layers, const struct t
                 memcpy(L->v_cache + slots[t] * row, qkv + t * nqkv + nq + row,
                        row * sizeof(float));
             }
-#pragma omp for collapse(2) schedule(static)
-            for (long s = 0; s < nseq; s++)
-                for (long g = 0; g < nkv; g++)
-                    if (q_rows[s] < T)
-                        attend_kv_head(qkv, nqkv, q_rows[s], L->k_cache, L->v_cache,
-                                       tables + s * tbl_ld, ctx_lens[s], d->bs, nkv, hd,
-                                       d->nh / nkv, g, d->scale, d->window, att, nq, p);
+#pragma omp for schedule(static)
+            for (long i = 0; i < nreal * nkv; i++) {
+                long s = real[i / nkv], g = i % nkv;
+                attend_kv_head(qkv, nqkv, q_rows[s], L->k_cache, L->v_cache,
+                               tables + s * tbl_ld, ctx_lens[s], d->bs, nkv, hd, d->nh / nkv, g,
+                               d->scale, d->window, att, nq, p);
+            }
             linear_in_region(att, nq, L->wo, tmp, H, T, H, nq, xt);
 #pragma omp barrier
 #pragma omp for schedule(static)

@@ -96,6 +96,7 @@ int tg_decode_stack_bf16(const struct tg_layer_bf16 *layers, long n_layers,
 #pragma omp parallel num_threads(nthreads)
     {
         float *p = scores + (long)thread_num() * (nh / nkv) * (max_ctx + 1);
+        long real[nseq > 0 ? nseq : 1], nreal = real_seqs(q_rows, nseq, T, real);
         for (long l = 0; l < n_layers; l++) {
             const struct tg_layer_bf16 *L = layers + l;
 #pragma omp for schedule(static)
@@ -114,13 +115,13 @@ int tg_decode_stack_bf16(const struct tg_layer_bf16 *layers, long n_layers,
                 memcpy(L->v_cache + slots[t] * row, qkv + t * nqkv + nq + row,
                        row * sizeof(bf16_t));
             }
-#pragma omp for collapse(2) schedule(static)
-            for (long s = 0; s < nseq; s++)
-                for (long g = 0; g < nkv; g++)
-                    if (q_rows[s] < T)
-                        attend_one(qkv, nqkv, q_rows[s], L->k_cache, L->v_cache,
-                                   tables + s * tbl_ld, ctx_lens[s], d->bs, nh, nkv, hd, g,
-                                   d->scale, d->window, att, nq, p, 1);
+#pragma omp for schedule(static)
+            for (long i = 0; i < nreal * nkv; i++) {
+                long s = real[i / nkv], g = i % nkv;
+                attend_one(qkv, nqkv, q_rows[s], L->k_cache, L->v_cache, tables + s * tbl_ld,
+                           ctx_lens[s], d->bs, nh, nkv, hd, g, d->scale, d->window, att, nq, p,
+                           1);
+            }
             linear_in_region(att, nq, L->wo, tmp, H, T, H, nq, xt);
 #pragma omp barrier
 #pragma omp for schedule(static)

@@ -330,6 +330,17 @@ static inline void attend_one(const void *q, long q_ld, long qrow, const void *k
 #undef ATTEND
 }
 
+/* The sequences of a decode group with a real query row (q_rows[s] < pad_row) into idx:
+ * their count. Padding sequences sit in the bucket's tail, and a split over all of them gave
+ * one thread the real ones: at 6 real rows of 8 one thread ran 16 (sequence, KV head) pairs
+ * and the other 8. */
+static long real_seqs(const long *q_rows, long nseq, long pad_row, long *idx) {
+    long n = 0;
+    for (long s = 0; s < nseq; s++)
+        if (q_rows[s] < pad_row) idx[n++] = s;
+    return n;
+}
+
 /* tg_decode_attention, on fp32 or (bf16) bf16 tensors. */
 static int decode_attention(const void *q, long q_ld, const long *q_rows, long nseq,
                             long pad_row, const void *k_cache, const void *v_cache,
@@ -337,8 +348,11 @@ static int decode_attention(const void *q, long q_ld, const long *q_rows, long n
                             long bs, long nh, long nkv, long hd, float scale, long window,
                             void *out, long out_ld, int nthreads, int bf16) {
     if (nh % nkv || nh / nkv > REP_MAX || (bf16 && hd > HD_MAX)) return -1;
+    long *idx = malloc((size_t)(nseq > 0 ? nseq : 1) * sizeof(long));
+    if (!idx) return -2;
+    long n = real_seqs(q_rows, nseq, pad_row, idx);
     int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && nseq * nkv > 1)
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n * nkv > 1)
     {
         size_t len = (size_t)(nh / nkv) * (size_t)(max_ctx > 0 ? max_ctx : 1);
         float *p = malloc(len * sizeof(float));
@@ -346,15 +360,16 @@ static int decode_attention(const void *q, long q_ld, const long *q_rows, long n
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for collapse(2) schedule(static)
-        for (long s = 0; s < nseq; s++)
-            for (long g = 0; g < nkv; g++) {
-                if (!p || q_rows[s] >= pad_row) continue;
+#pragma omp for schedule(static)
+        for (long i = 0; i < n * nkv; i++) {
+            long s = idx[i / nkv], g = i % nkv;
+            if (p)
                 attend_one(q, q_ld, q_rows[s], k_cache, v_cache, tables + s * tbl_ld,
                            ctx_lens[s], bs, nh, nkv, hd, g, scale, window, out, out_ld, p, bf16);
-            }
+        }
         free(p);
     }
+    free(idx);
     return failed ? -2 : 0;
 }
 
