@@ -221,6 +221,21 @@ ALWAYS_INLINE void store_at(void *p, long i, vf v, const int bf16) {
         *(vfu *)((float *)p + i) = v;
 }
 
+/* Positions [j, stop) of one cache block (offset base: position t at base + t * row elements
+ * of esz bytes, span bytes of a KV head) while its keys are read: their values, and with
+ * next >= 0 the same positions of the next block (at offset next), prefetched into L1. A block
+ * of the paged cache is a short stream of its own, which the hardware prefetcher picks up
+ * too late: a 16 x 512 prefill's six decode rows a step, their attention 5.2-7.2 -> 3.7-4.5
+ * ms a step (ABAB, session 36). */
+static inline void prefetch_kv(const char *k_cache, const char *v_cache, long base, long next,
+                               long j, long stop, long bs, long row, long esz, long span) {
+    for (long t = j; t < stop; t++)
+        for (long o = 0; o < span; o += 64) {
+            if (next >= 0) __builtin_prefetch(k_cache + (next + (t + bs) * row) * esz + o, 0, 3);
+            __builtin_prefetch(v_cache + (base + t * row) * esz + o, 0, 3);
+        }
+}
+
 /* Query heads g * rep .. (g + 1) * rep of query row q + qrow * q_ld (its KV head g) over
  * positions [max(0, n - window), n) read through `table`; results to out + qrow * out_ld.
  * p: scratch of rep * n floats. q, the caches and out are fp32, or with `bf16` all bf16
@@ -249,6 +264,9 @@ ALWAYS_INLINE void attend_kv_head_t(const void *q, long q_ld, long qrow, const v
     for (long j = lo; j < n;) {
         long blk = j / bs, stop = (blk + 1) * bs < n ? (blk + 1) * bs : n;
         long base = (table[blk] - blk) * bs * row + g * hd;
+        long next = stop < n ? (table[blk + 1] - blk - 1) * bs * row + g * hd : -1;
+        prefetch_kv(k_cache, v_cache, base, next, j, stop, bs, row, bf16 ? 2 : 4,
+                    hd * (bf16 ? 2 : 4));
         for (; j < stop; j++) {
             long kj = base + j * row;
             vf acc[REP_MAX];
