@@ -19,7 +19,10 @@ the run can flatter or wrong the step.
 
 --prefill-peak times the prefill of --batch x --prompt tokens (every step until each prompt
 has its first token) against the FLOPs it needs and bench_engine.py's matmul peak (2048^3
-products for 1 s) in the same dtype on the same threads (the compute bound); --parts adds
+products for 1 s) in the same dtype on the same threads (the compute bound); --rounds N
+repeats the prefill N times, each right after a peak read of its own, and prints each pair's
+ratio and their median last (the first line's peak, read before the engine starts, stays as
+it was for comparison with earlier sessions); --parts adds
 where those steps' time goes, by kernel call (bf16 kernels; the linears by shape).
 --ab-fused runs op by op (fused_decode=False), then the fused decode stack (model/kernels/
 decode.c), and prints both against the bound last; --no-fused-decode runs op by op alone.
@@ -113,6 +116,7 @@ def quick_bandwidth(threads: int, mbytes: int = 512) -> Any:
 
 
 PREFILL_STEPS: list[float] = []  # the last run's prefill steps (until every first token), s
+PREFILL_PAIRS: list[tuple[float, float]] = []  # --rounds: (peak GFLOP/s read just before, s)
 PARTS: dict[str, float] = {}  # --parts: seconds in each kernel call kind over the prefill steps
 PARTS_ON = [False]  # --parts: inside a prefill step
 
@@ -252,6 +256,13 @@ def main() -> None:
     ap.add_argument(
         "--kv-cache-gib", type=int, default=4, help="KV pool (bench_vllm.py gives both 4 GiB)"
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --prefill-peak: this many prefill runs, each after its own peak read (the "
+        "machine's rate moves within minutes); the median of the paired ratios last",
+    )
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
         "--parts",
@@ -295,6 +306,17 @@ def main() -> None:
             f"{peak / got:.2f}x the compute bound"
         )
         print(f"prefill steps (ms): {[round(x * 1e3) for x in PREFILL_STEPS]}")
+        if PREFILL_PAIRS:
+            ratios = [p * t / (flops / 1e9) for p, t in PREFILL_PAIRS]
+            rounds = ", ".join(
+                f"{t * 1e3:.0f} ms / {p:.0f} GFLOP/s = {r:.2f}x"
+                for (p, t), r in zip(PREFILL_PAIRS, ratios, strict=True)
+            )
+            print(f"rounds (prefill / the peak read just before it): {rounds}")
+            print(
+                f"prefill at {statistics.median(ratios):.2f}x the compute bound (median of "
+                f"{len(ratios)} paired rounds, {min(ratios):.2f}-{max(ratios):.2f}x)"
+            )
         if args.parts:
             n = len(PREFILL_STEPS)
             print(f"where a prefill step goes (ms a step, mean of {n}; --parts):")
@@ -422,9 +444,16 @@ def run_engine(
     probe = quick_bandwidth(args.threads) if args.paired_bound else None
     rates: list[float] = []
     run("warm")
+    for i in range(args.rounds - 1 if args.prefill_peak else 0):  # paired with a peak read
+        peak = matmul_flops(core.runner.dtype) / 1e9
+        run(f"round{i}-")
+        PREFILL_PAIRS.append((peak, sum(PREFILL_STEPS)))
     PARTS.clear()  # --parts: the measured run's prefill steps only
     rates.clear()
+    peak = matmul_flops(core.runner.dtype) / 1e9 if args.prefill_peak and args.rounds > 1 else 0
     steps, fwd, enc = run("run")
+    if peak:
+        PREFILL_PAIRS.append((peak, sum(PREFILL_STEPS)))
     s, f, e = (statistics.median(x) * 1e3 for x in (steps, fwd, enc))
     if probe is not None:
         wb = weight_bytes(core.runner.mcfg, core.runner.dtype.itemsize)
