@@ -512,10 +512,39 @@ static inline void silu_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t 
         store_bf16(y + i, rne(silu(load_bf16(g + i))) * load_bf16(u + i));
 }
 
-static inline void rope_row_bf16(uint16_t *v, long heads, long hd, const uint16_t *c,
-                                 const uint16_t *s) {
+/* Rotate-half RoPE on bf16 heads, each product and then their sum rounded as torch's bf16
+ * ops round; cw / sw the row's cos / sin widened to fp32 (hd of them). */
+static inline void rope_heads_bf16(uint16_t *v, long heads, long hd, const float *cw,
+                                   const float *sw) {
     long half = hd / 2;
     for (long h = 0; h < heads; h++, v += hd)
+        for (long i = 0; i < half; i += VL) {
+            vf a = load_bf16(v + i), b = load_bf16(v + i + half);
+            vf a2 = rne(a * *(const vfu *)(cw + i)) + rne(-b * *(const vfu *)(sw + i));
+            vf b2 = rne(b * *(const vfu *)(cw + i + half)) + rne(a * *(const vfu *)(sw + i + half));
+            store_bf16(v + i, a2);
+            store_bf16(v + i + half, b2);
+        }
+}
+
+/* The row's cos / sin widened once for all its heads rather than in each head (the compiler
+ * cannot tell that they do not alias v): M's 1,024-row RoPE + K/V pass 0.270 -> 0.236 ms,
+ * medians of 40 (session 36). Above HD_MAX (which the model's bf16 row kernel never takes),
+ * widened a head at a time. */
+static inline void rope_row_bf16(uint16_t *v, long heads, long hd, const uint16_t *c,
+                                 const uint16_t *s) {
+    float cw[HD_MAX] __attribute__((aligned(64))), sw[HD_MAX] __attribute__((aligned(64)));
+    long n = hd <= HD_MAX ? hd : 0;
+    for (long i = 0; i < n; i += VL) {
+        *(vfu *)(cw + i) = load_bf16(c + i);
+        *(vfu *)(sw + i) = load_bf16(s + i);
+    }
+    if (n) {
+        rope_heads_bf16(v, heads, hd, cw, sw);
+        return;
+    }
+    for (long h = 0; h < heads; h++, v += hd) {
+        long half = hd / 2;
         for (long i = 0; i < half; i += VL) {
             vf a = load_bf16(v + i), b = load_bf16(v + i + half);
             vf a2 = rne(a * load_bf16(c + i)) + rne(-b * load_bf16(s + i));
@@ -523,6 +552,7 @@ static inline void rope_row_bf16(uint16_t *v, long heads, long hd, const uint16_
             store_bf16(v + i, a2);
             store_bf16(v + i + half, b2);
         }
+    }
 }
 
 void tg_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, long T, long H,
