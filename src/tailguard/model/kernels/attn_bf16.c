@@ -142,11 +142,12 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long start, l
                          uint16_t *qb, float *s, uint16_t *pb, float *o, int amx) {
     long kmax = start + t0 + npos, np = (kmax + P - 1) / P, spad = np * P;
     long ppad = amx ? (kmax + 31) / 32 * 32 : (kmax + 1) / 2 * 2, ar = amx ? AR_AMX : AR;
-    memset(qb, 0, (size_t)ar * hd * sizeof(uint16_t));
-    for (long i = 0; i < npos; i++)
-        for (long h = 0; h < rep; h++)
-            memcpy(qb + (i * rep + h) * hd, qkv + (first + t0 + i) * ld + (g * rep + h) * hd,
-                   (size_t)hd * sizeof(uint16_t));
+    for (long i = 0; i < npos; i++) { /* a position's rep heads are adjacent: one copy */
+        const uint16_t *src = qkv + (first + t0 + i) * ld + g * rep * hd;
+        for (long d = 0; d < rep * hd; d += 32) /* hd % 32 == 0 */
+            _mm512_storeu_si512(qb + i * rep * hd + d, _mm512_loadu_si512(src + d));
+    }
+    memset(qb + npos * rep * hd, 0, (size_t)(ar - npos * rep) * hd * sizeof(uint16_t));
     long kstride = (hd / 2) * 2 * P;
     for (long p = 0; p < np; p++)
         product(qb, hd, kp + p * kstride, hd / 2, s + p * P, spad, amx);
@@ -156,7 +157,8 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long start, l
         float *sr = s + r * spad, m = span_max(sr, lo, tq);
         uint16_t *pr = pb + r * ppad;
         float total = 0.0f, a = scale * 1.44269504088896341f, b = -m * a; /* log2(e) */
-        vf totals = {};
+        __m256 totals = _mm256_setzero_ps(); /* pairs of P summed by vdpbf16ps (x 1.0) */
+        const __m256bh ones = (__m256bh)_mm256_set1_epi16(0x3f80);
         long j = 0;
         for (; j + VL <= ppad; j += VL) {
             if (j + VL <= lo || j > tq) { /* every lane masked: P 0, the sums as they were */
@@ -165,17 +167,20 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long start, l
             }
             vf e = exp2_p(*(vfu *)(sr + j) * a + b);
             if (j < lo || j + VL - 1 > tq) { /* lanes across the window's or the causal edge */
-                vi idx = {};
-                for (int u = 0; u < VL; u++) idx[u] = (int)(j + u);
+                const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+                vi idx = iota + (int)j;
                 vi keep = (idx >= (vi){} + (int)lo) & (idx <= (vi){} + (int)tq);
                 e = (vf)((vi)e & keep);
             }
             /* P to bf16 in one vcvtneps2bf16: the same bits as rows.c's rne on e's range
              * (finite, >= 0), subnormals flushed to 0 */
-            *(vhu *)(pr + j) = (vh)_mm512_cvtneps_pbh((__m512)e);
-            totals += load_bf16(pr + j);
+            __m256bh h = _mm512_cvtneps_pbh((__m512)e);
+            *(vhu *)(pr + j) = (vh)h;
+            totals = _mm256_dpbf16_ps(totals, h, ones); /* the sum of P as rounded */
         }
-        total = vsum(totals);
+        __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(totals), _mm256_extractf128_ps(totals, 1));
+        t4 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+        total = _mm_cvtss_f32(_mm_add_ss(t4, _mm_movehdup_ps(t4)));
         for (; j < ppad; j++) {
             float e = 0.0f;
             if (j >= lo && j <= tq) {
