@@ -621,6 +621,13 @@ def test_prefill_attention_matches_sdpa_in_fp32(
     # the same rows through torch's bf16 SDPA, sequence by sequence: our error is no worse
     sdpa = prefill_reference(qkv, firsts, lens, nh, nkv, hd, window, dtype=torch.bfloat16)
     assert err <= 1.5 * (sdpa - want).abs().max().item() + 1e-2
+    # the next linear's panels prefetched on the way (`warm`, wo in the model): same bits
+    wo = kernel.pack(torch.randn(nh * hd, nh * hd, generator=g).bfloat16())
+    warmed = torch.zeros_like(out)
+    attn.attend(
+        qkv, firsts_t, torch.tensor([*lens, 1]), nh, nkv, hd, window, warmed, 2, warm=wo.panels
+    )
+    assert torch.equal(warmed, out)
 
 
 @pytest.mark.parametrize("window", [0, 100])

@@ -166,6 +166,7 @@ class Attention(nn.Module):
                         self.n_head, self.n_kv, self.head_dim, self.window, out,
                         torch.get_num_threads(), starts=group.query_start,
                         cache=(k_cache, v_cache, group.block_tables),
+                        warm=_panels(self.wo) if isinstance(self.wo, KernelLinear) else None,
                     )  # fmt: skip
                     continue
                 kv_len = group.block_tables.shape[1] * k_cache.shape[1]

@@ -28,7 +28,7 @@ from tailguard.model.kernels.small_m_bf16 import AmxPath, check_each_path
 __all__ = ["PrefillAttention", "load_prefill_attention", "prefill_attention_unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("attn_bf16.c")
-ABI = 3
+ABI = 4
 HD_MULTIPLE = 32  # head_dim must be whole panels of 32 (attn_bf16.c)
 MAX_REP = 12  # query heads per KV head (one block of 12 query rows holds them)
 
@@ -42,11 +42,12 @@ class PrefillAttention(AmxPath):
         fn = lib.tg_prefill_attention_bf16
         fn.restype = ctypes.c_int
         # qkv, ld, T, firsts, lens, starts, nseq, nh, nkv, hd, scale, window, k_cache,
-        # v_cache, tables, tbl_ld, block_size, out, out_ld, threads
+        # v_cache, tables, tbl_ld, block_size, out, out_ld, threads, warm, warm_panels,
+        # warm_panel_bytes
         fn.argtypes = [
             c_void_p, c_long, c_long, c_void_p, c_void_p, c_void_p, c_long, c_long, c_long,
             c_long, ctypes.c_float, c_long, c_void_p, c_void_p, c_void_p, c_long, c_long,
-            c_void_p, c_long, ctypes.c_int,
+            c_void_p, c_long, ctypes.c_int, c_void_p, c_long, c_long,
         ]  # fmt: skip
         self._fn = fn
         self._bind_amx(lib)
@@ -69,11 +70,14 @@ class PrefillAttention(AmxPath):
         threads: int,
         starts: Tensor | None = None,  # [G] int64: each chunk's first position (None: all 0)
         cache: tuple[Tensor, Tensor, Tensor] | None = None,  # k, v [blocks, bs, nkv, hd], tables
+        warm: Tensor | None = None,  # the next linear's panels [panels, ...], contiguous
     ) -> None:
         """Causal attention of each sequence's chunk. A chunk at start 0 reads its keys and
         values from its own qkv rows; a later chunk (starts[s] > 0) reads all its start + len
         keys from `cache` (k_cache, v_cache bf16 contiguous, block tables [G, B] int64), which
-        must already hold this chunk's own."""
+        must already hold this chunk's own. `warm`: the panels of the linear that runs next
+        on the same threads (the layer's wo), which each thread prefetches into its L2, its
+        own share of them, while it attends."""
         if qkv.dtype != torch.bfloat16 or not qkv.is_contiguous() or out.stride(1) != 1:
             raise ValueError("prefill attention takes contiguous bf16 qkv and unit-stride out")
         firsts, lens = firsts.contiguous(), lens.contiguous()
@@ -89,11 +93,15 @@ class PrefillAttention(AmxPath):
             tables = tables.contiguous()
             k_ptr, v_ptr, t_ptr = k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr()
             tbl_ld, block_size = tables.shape[1], k_cache.shape[1]
+        warm_args: tuple[int | None, int, int] = (None, 0, 0)
+        if warm is not None and warm.is_contiguous() and warm.dim() >= 1 and warm.shape[0] > 0:
+            panels = warm.shape[0]
+            warm_args = (warm.data_ptr(), panels, warm.numel() * warm.element_size() // panels)
         rc = self._fn(
             qkv.data_ptr(), qkv.shape[1], qkv.shape[0], firsts.data_ptr(), lens.data_ptr(),
             None if st is None else st.data_ptr(), firsts.shape[0], nh, nkv, hd, hd**-0.5,
             window, k_ptr, v_ptr, t_ptr, tbl_ld, block_size, out.data_ptr(), out.stride(0),
-            threads,
+            threads, *warm_args,
         )  # fmt: skip
         if rc == -3:
             raise ValueError("this CPU has no AVX512-BF16 (vdpbf16ps)")
