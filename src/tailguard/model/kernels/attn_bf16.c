@@ -172,8 +172,8 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long start, l
                 vi keep = (idx >= (vi){} + (int)lo) & (idx <= (vi){} + (int)tq);
                 e = (vf)((vi)e & keep);
             }
-            /* P to bf16 in one vcvtneps2bf16: the same bits as rows.c's rne on e's range
-             * (finite, >= 0), subnormals flushed to 0 */
+            /* P to bf16 in one vcvtneps2bf16: rows.c's rne on e's range (finite, >= 0),
+             * except that what underflowed to a subnormal flushes to 0 */
             __m256bh h = _mm512_cvtneps_pbh((__m512)e);
             *(vhu *)(pr + j) = (vh)h;
             totals = _mm256_dpbf16_ps(totals, h, ones); /* the sum of P as rounded */
@@ -332,8 +332,9 @@ int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *
             struct warm_lines wl = warm_share(warm, warm_panels, warm_panel_bytes,
                                               nblocks / thread_count() + 1);
 /* guided: a causal block's cost grows with its position; one block at a time (dynamic, 1)
- * measured 4-6% slower on 2 x 512 tokens (session 32) */
-#pragma omp for schedule(guided)
+ * measured 4-6% slower on 2 x 512 tokens (session 32). nowait: the region's end is the
+ * barrier, so a thread's last prefetches of wo overlap the other's last blocks. */
+#pragma omp for schedule(guided) nowait
             for (long b = 0; b < nblocks; b++) {
                 long g = b % nkv, blk = b / nkv, s = 0;
                 while (boff[s + 1] <= blk) s++;
