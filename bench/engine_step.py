@@ -444,16 +444,14 @@ def run_engine(
     probe = quick_bandwidth(args.threads) if args.paired_bound else None
     rates: list[float] = []
     run("warm")
-    for i in range(args.rounds - 1 if args.prefill_peak else 0):  # paired with a peak read
-        peak = matmul_flops(core.runner.dtype) / 1e9
-        run(f"round{i}-")
-        PREFILL_PAIRS.append((peak, sum(PREFILL_STEPS)))
-    PARTS.clear()  # --parts: the measured run's prefill steps only
-    rates.clear()
-    peak = matmul_flops(core.runner.dtype) / 1e9 if args.prefill_peak and args.rounds > 1 else 0
-    steps, fwd, enc = run("run")
-    if peak:
-        PREFILL_PAIRS.append((peak, sum(PREFILL_STEPS)))
+    paired = args.prefill_peak and args.rounds > 1  # each prefill after a peak read of its own
+    for i in range(args.rounds if paired else 1):  # the last round's steps are reported
+        PARTS.clear()  # --parts: the measured run's prefill steps only
+        rates.clear()
+        peak = matmul_flops(core.runner.dtype) / 1e9 if paired else 0.0
+        steps, fwd, enc = run(f"run{i}-")
+        if paired:
+            PREFILL_PAIRS.append((peak, sum(PREFILL_STEPS)))
     s, f, e = (statistics.median(x) * 1e3 for x in (steps, fwd, enc))
     if probe is not None:
         wb = weight_bytes(core.runner.mcfg, core.runner.dtype.itemsize)

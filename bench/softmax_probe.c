@@ -9,21 +9,16 @@
  *            across the 16 rows, the max and the sum element-wise, the edge a lane compare,
  *            two keys' P interleaved into one VNNI row (the B operand of O^T = V^T P^T)
  *
- *   gcc -O3 -march=native bench/softmax_probe.c -o /tmp/softmax_probe -lm
+ *   gcc -O3 -march=native -fopenmp bench/softmax_probe.c -o /tmp/softmax_probe -lm
  *   flock -x /tmp/tg-cpu.lock /tmp/softmax_probe 300
  *
- * Needs AVX512-BF16. Prints both times, their ratio and the row sums' largest relative
- * difference (docs/benchmarks.md, session 36). */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
+ * Needs AVX512-BF16; the exp and the row max are the kernel's own (attn_bf16.c, included).
+ * Prints both times, their ratio and the row sums' largest relative difference
+ * (docs/benchmarks.md, session 36). */
 #include <stdio.h>
-#include <stdlib.h>
 #include <time.h>
 
-typedef float vf __attribute__((vector_size(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4)));
-typedef int vi __attribute__((vector_size(64)));
+#include "../src/tailguard/model/kernels/attn_bf16.c" /* exp2_p, span_max, vf / vfu / vi */
 
 #define SPAD 544 /* keys a row of S holds (512 rounded up past the last block's) */
 #define LOG2E 1.44269504088896341f
@@ -32,35 +27,6 @@ static double now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-/* attn_bf16.c's exp2_p */
-static inline vf exp2_p(vf t) {
-    __m512 n = _mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf u = (vf)_mm512_sub_ps((__m512)t, n);
-    vf p = 1.0f + u * (0.693147180559945309f +
-                       u * (0.240226506959100712f +
-                            u * (0.0555041086648215799f + u * 0.00961812910762847716f)));
-    return (vf)_mm512_scalef_ps((__m512)p, n);
-}
-
-/* attn_bf16.c's span_max */
-static float span_max(const float *s, long lo, long hi) {
-    __m512 m = _mm512_set1_ps(-INFINITY), m1 = m, m2 = m, m3 = m;
-    long j = lo;
-    for (; j + 64 <= hi + 1; j += 64) {
-        m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
-        m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + j + 16));
-        m2 = _mm512_max_ps(m2, _mm512_loadu_ps(s + j + 32));
-        m3 = _mm512_max_ps(m3, _mm512_loadu_ps(s + j + 48));
-    }
-    m = _mm512_max_ps(_mm512_max_ps(m, m1), _mm512_max_ps(m2, m3));
-    for (; j + 16 <= hi + 1; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
-    if (j <= hi) {
-        __mmask16 k = (__mmask16)((1u << (hi + 1 - j)) - 1);
-        m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, s + j));
-    }
-    return _mm512_reduce_max_ps(m);
 }
 
 /* The kernel's row-wise softmax of one block at position t0: s [16][SPAD], P [16][ppad]. */
@@ -84,9 +50,7 @@ static void rows(const float *s, long t0, uint16_t *pb, long ppad, float *inv, f
             _mm256_storeu_si256((__m256i *)(pr + j), (__m256i)h);
             totals = _mm256_dpbf16_ps(totals, h, ones);
         }
-        __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(totals), _mm256_extractf128_ps(totals, 1));
-        t4 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-        float total = _mm_cvtss_f32(_mm_add_ss(t4, _mm_movehdup_ps(t4)));
+        float total = _mm512_reduce_add_ps(_mm512_zextps256_ps512(totals));
         inv[r] = total > 0 ? 1.0f / total : 0.0f;
     }
 }

@@ -571,7 +571,7 @@ def test_bf16_elementwise_kernels_round_where_torch_rounds() -> None:
         kernel.rope_(got, heads, hd, cos_t, sin_t, threads)
         assert torch.equal(got[:, : heads * hd].view(rows, heads, hd), want)
         assert torch.equal(got[:, heads * hd :], qkv[:, heads * hd :]), "only `heads` heads"
-        # above rows.c's HD_MAX the row's cos / sin are widened a head at a time: same bits
+        # above rows.c's HD_MAX the row's cos / sin are widened in slices: same bits
         big = torch.randn(rows, 2 * 512, generator=g).to(bf)
         cos_b, sin_b = (t.index_select(0, pos).to(bf) for t in _rope_table(512, 512, 1e4))
         want_b = apply_rope(big.view(rows, 2, 512), cos_b[:, None], sin_b[:, None])

@@ -31,8 +31,8 @@
  * lanes wholly past the causal limit (or before the window) skip the exp, only lanes across an
  * edge build a mask, and P rounds to bf16 in one vcvtneps2bf16 (the same bits as rows.c's rne
  * on these values): 3.4-3.7 -> 2.5-2.9 ms a call, bit for bit the same (session 32). Session 33:
- * the exp of P is exp_p, degree 5 (P is bf16), ~9% of a call. Session 36: exp2_p, degree 4,
- * its argument in one FMA: ~10% of a call.
+ * the exp of P is exp_p, degree 5 (P is bf16), ~9% of a call. Session 36: exp2_p, its
+ * argument in one FMA (a call 0.943x), degree 4 (0.956x of that).
  */
 #include <string.h>
 
@@ -178,9 +178,7 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long start, l
             *(vhu *)(pr + j) = (vh)h;
             totals = _mm256_dpbf16_ps(totals, h, ones); /* the sum of P as rounded */
         }
-        __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(totals), _mm256_extractf128_ps(totals, 1));
-        t4 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-        total = _mm_cvtss_f32(_mm_add_ss(t4, _mm_movehdup_ps(t4)));
+        total = _mm512_reduce_add_ps(_mm512_zextps256_ps512(totals));
         for (; j < ppad; j++) {
             float e = 0.0f;
             if (j >= lo && j <= tq) {
@@ -203,8 +201,6 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long start, l
         for (long d = 0; d < hd; d += VL) store_bf16(dst + d, *(vfu *)(o + r * hd + d) * inv[r]);
     }
 }
-
-#endif
 
 /* The calling thread's share of the next linear's weights (`panels` panels of panel_bytes,
  * split as the linear kernel splits them over the same threads: my_panels), prefetched into
@@ -232,6 +228,8 @@ static inline void warm_step(struct warm_lines *w, long lines) {
     for (long i = 0; i < lines && w->next < w->n; i++, w->next++)
         __builtin_prefetch(w->base + w->next * 64, 0, 2);
 }
+
+#endif
 
 /* Keys or values [0, n) of KV head g of one sequence, gathered from the paged cache
  * ([blocks][bs][nkv][hd] bf16) through its block table into dst [n][hd]. */

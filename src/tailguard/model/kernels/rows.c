@@ -222,15 +222,15 @@ ALWAYS_INLINE void store_at(void *p, long i, vf v, const int bf16) {
 }
 
 /* Positions [j, stop) of one cache block (offset base: position t at base + t * row elements
- * of esz bytes, span bytes of a KV head) while its keys are read: their values, and with
+ * of esz bytes, a KV head hd of them) while its keys are read: their values, and with
  * next >= 0 the same positions of the next block (at offset next), prefetched into L1. A block
  * of the paged cache is a short stream of its own, which the hardware prefetcher picks up
  * too late: a 16 x 512 prefill's six decode rows a step, their attention 5.2-7.2 -> 3.7-4.5
  * ms a step (ABAB, session 36). */
 static inline void prefetch_kv(const char *k_cache, const char *v_cache, long base, long next,
-                               long j, long stop, long bs, long row, long esz, long span) {
+                               long j, long stop, long bs, long row, long hd, long esz) {
     for (long t = j; t < stop; t++)
-        for (long o = 0; o < span; o += 64) {
+        for (long o = 0; o < hd * esz; o += 64) {
             if (next >= 0) __builtin_prefetch(k_cache + (next + (t + bs) * row) * esz + o, 0, 3);
             __builtin_prefetch(v_cache + (base + t * row) * esz + o, 0, 3);
         }
@@ -265,8 +265,7 @@ ALWAYS_INLINE void attend_kv_head_t(const void *q, long q_ld, long qrow, const v
         long blk = j / bs, stop = (blk + 1) * bs < n ? (blk + 1) * bs : n;
         long base = (table[blk] - blk) * bs * row + g * hd;
         long next = stop < n ? (table[blk + 1] - blk - 1) * bs * row + g * hd : -1;
-        prefetch_kv(k_cache, v_cache, base, next, j, stop, bs, row, bf16 ? 2 : 4,
-                    hd * (bf16 ? 2 : 4));
+        prefetch_kv(k_cache, v_cache, base, next, j, stop, bs, row, hd, bf16 ? 2 : 4);
         for (; j < stop; j++) {
             long kj = base + j * row;
             vf acc[REP_MAX];
@@ -366,9 +365,7 @@ static int decode_attention(const void *q, long q_ld, const long *q_rows, long n
                             long bs, long nh, long nkv, long hd, float scale, long window,
                             void *out, long out_ld, int nthreads, int bf16) {
     if (nh % nkv || nh / nkv > REP_MAX || (bf16 && hd > HD_MAX)) return -1;
-    long *idx = malloc((size_t)(nseq > 0 ? nseq : 1) * sizeof(long));
-    if (!idx) return -2;
-    long n = real_seqs(q_rows, nseq, pad_row, idx);
+    long idx[nseq > 0 ? nseq : 1], n = real_seqs(q_rows, nseq, pad_row, idx);
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n * nkv > 1)
     {
@@ -387,7 +384,6 @@ static int decode_attention(const void *q, long q_ld, const long *q_rows, long n
         }
         free(p);
     }
-    free(idx);
     return failed ? -2 : 0;
 }
 
@@ -512,45 +508,33 @@ static inline void silu_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t 
         store_bf16(y + i, rne(silu(load_bf16(g + i))) * load_bf16(u + i));
 }
 
-/* Rotate-half RoPE on bf16 heads, each product and then their sum rounded as torch's bf16
- * ops round; cw / sw the row's cos / sin widened to fp32 (hd of them). */
-static inline void rope_heads_bf16(uint16_t *v, long heads, long hd, const float *cw,
-                                   const float *sw) {
-    long half = hd / 2;
-    for (long h = 0; h < heads; h++, v += hd)
-        for (long i = 0; i < half; i += VL) {
-            vf a = load_bf16(v + i), b = load_bf16(v + i + half);
-            vf a2 = rne(a * *(const vfu *)(cw + i)) + rne(-b * *(const vfu *)(sw + i));
-            vf b2 = rne(b * *(const vfu *)(cw + i + half)) + rne(a * *(const vfu *)(sw + i + half));
-            store_bf16(v + i, a2);
-            store_bf16(v + i + half, b2);
-        }
-}
-
-/* The row's cos / sin widened once for all its heads rather than in each head (the compiler
- * cannot tell that they do not alias v): M's 1,024-row RoPE + K/V pass 0.270 -> 0.236 ms,
- * medians of 40 (session 36). Above HD_MAX (which the model's bf16 row kernel never takes),
- * widened a head at a time. */
+/* Rotate-half RoPE in place on `heads` bf16 heads of hd at v, c / s [hd] bf16, each product
+ * and then their sum rounded as torch's bf16 ops round. The row's cos / sin are widened to fp32
+ * once for all its heads, a slice of up to HD_MAX / 2 of each half at a time (they had been
+ * widened again in every head, since the compiler cannot tell that they do not alias v): M's
+ * 1,024-row RoPE + K/V pass 0.270 -> 0.236 ms, medians of 40 (session 36). */
 static inline void rope_row_bf16(uint16_t *v, long heads, long hd, const uint16_t *c,
                                  const uint16_t *s) {
-    float cw[HD_MAX] __attribute__((aligned(64))), sw[HD_MAX] __attribute__((aligned(64)));
-    long n = hd <= HD_MAX ? hd : 0;
-    for (long i = 0; i < n; i += VL) {
-        *(vfu *)(cw + i) = load_bf16(c + i);
-        *(vfu *)(sw + i) = load_bf16(s + i);
-    }
-    if (n) {
-        rope_heads_bf16(v, heads, hd, cw, sw);
-        return;
-    }
-    for (long h = 0; h < heads; h++, v += hd) {
-        long half = hd / 2;
-        for (long i = 0; i < half; i += VL) {
-            vf a = load_bf16(v + i), b = load_bf16(v + i + half);
-            vf a2 = rne(a * load_bf16(c + i)) + rne(-b * load_bf16(s + i));
-            vf b2 = rne(b * load_bf16(c + i + half)) + rne(a * load_bf16(s + i + half));
-            store_bf16(v + i, a2);
-            store_bf16(v + i + half, b2);
+    enum { W = HD_MAX / 2 }; /* cw / sw: [the slice of the first half | of the second] */
+    float cw[2 * W] __attribute__((aligned(64))), sw[2 * W] __attribute__((aligned(64)));
+    long half = hd / 2;
+    for (long i0 = 0; i0 < half; i0 += W) {
+        long w = half - i0 < W ? half - i0 : W;
+        for (long i = 0; i < w; i += VL) {
+            *(vfu *)(cw + i) = load_bf16(c + i0 + i);
+            *(vfu *)(cw + W + i) = load_bf16(c + half + i0 + i);
+            *(vfu *)(sw + i) = load_bf16(s + i0 + i);
+            *(vfu *)(sw + W + i) = load_bf16(s + half + i0 + i);
+        }
+        for (long h = 0; h < heads; h++) {
+            uint16_t *lo = v + h * hd + i0, *hi = lo + half;
+            for (long i = 0; i < w; i += VL) {
+                vf a = load_bf16(lo + i), b = load_bf16(hi + i);
+                vf a2 = rne(a * *(vfu *)(cw + i)) + rne(-b * *(vfu *)(sw + i));
+                vf b2 = rne(b * *(vfu *)(cw + W + i)) + rne(a * *(vfu *)(sw + W + i));
+                store_bf16(lo + i, a2);
+                store_bf16(hi + i, b2);
+            }
         }
     }
 }
