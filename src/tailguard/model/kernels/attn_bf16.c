@@ -32,7 +32,8 @@
  * edge build a mask, and P rounds to bf16 in one vcvtneps2bf16 (the same bits as rows.c's rne
  * on these values): 3.4-3.7 -> 2.5-2.9 ms a call, bit for bit the same (session 32). Session 33:
  * the exp of P is exp_p, degree 5 (P is bf16), ~9% of a call. Session 36: exp2_p, its
- * argument in one FMA (a call 0.943x), degree 4 (0.956x of that).
+ * argument in one FMA (a call 0.943x), degree 4 (0.956x of that). Session 37: on tiles with
+ * hd <= 64, attend_block_amx overlaps the tile products with the softmax (0.802x).
  */
 #include <string.h>
 
@@ -202,6 +203,179 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long start, l
     }
 }
 
+#if TG_AMX
+/* Lanes [j0, j0 + 32) of a row that sees keys [lo, tq]: bit i set where j0 + i is seen. */
+static inline uint32_t span_mask(long j0, long lo, long tq) {
+    long a = lo - j0, b = tq - j0;
+    if (a <= 0 && b >= 31) return 0xffffffffu;
+    if (b < 0 || a > 31) return 0;
+    a = a < 0 ? 0 : a;
+    b = b > 31 ? 31 : b;
+    return (uint32_t)(((2ull << b) - 1) & ~((1ull << a) - 1));
+}
+
+/* S's panel p (32 keys) of the block into s (stride spad) on C tiles C0 / C1, Q's k-steps in
+ * A tiles 4 (and 5 where hd is 64). */
+#define S_PANEL(C0, C1, KP, DST)                                                                   \
+    do {                                                                                           \
+        _tile_zero(C0);                                                                            \
+        _tile_zero(C1);                                                                            \
+        _tile_loadd(6, (KP), 2 * P * 2);                                                           \
+        _tile_loadd(7, (KP) + P, 2 * P * 2);                                                       \
+        _tile_dpbf16ps(C0, 4, 6);                                                                  \
+        _tile_dpbf16ps(C1, 4, 7);                                                                  \
+        if (hk == 2) {                                                                             \
+            _tile_loadd(6, (KP) + AMX_K * P, 2 * P * 2);                                           \
+            _tile_loadd(7, (KP) + AMX_K * P + P, 2 * P * 2);                                       \
+            _tile_dpbf16ps(C0, 5, 6);                                                              \
+            _tile_dpbf16ps(C1, 5, 7);                                                              \
+        }                                                                                          \
+        _tile_stored(C0, (DST), spad * 4);                                                         \
+        _tile_stored(C1, (DST) + 16, spad * 4);                                                    \
+    } while (0)
+
+/* O += P's k-step (A tile A, from PT) x V^T's k-step at VK, O in C tiles 0-1 (and 2-3). */
+#define PV_STEP(A, PT, VK)                                                                         \
+    do {                                                                                           \
+        _tile_loadd(A, (PT), 64);                                                                  \
+        _tile_loadd(6, (VK), 2 * P * 2);                                                           \
+        _tile_loadd(7, (VK) + P, 2 * P * 2);                                                       \
+        _tile_dpbf16ps(0, A, 6);                                                                   \
+        _tile_dpbf16ps(1, A, 7);                                                                   \
+        if (hk == 2) {                                                                             \
+            _tile_loadd(6, (VK) + vstride, 2 * P * 2);                                             \
+            _tile_loadd(7, (VK) + vstride + P, 2 * P * 2);                                         \
+            _tile_dpbf16ps(2, A, 6);                                                               \
+            _tile_dpbf16ps(3, A, 7);                                                               \
+        }                                                                                          \
+    } while (0)
+
+/* attend_block on AMX tiles for hd 32 or 64, the tile products overlapped with the vector
+ * work instead of between it: S is computed a panel of 32 keys at a time on alternating C tiles
+ * (Q's k-steps resident in A tiles 4-5), each panel's row maxima taken while the next panel's
+ * products run; then each panel's P (exp, rounded to bf16, summed by vdpbf16ps) goes into one of
+ * two 1 KiB A tiles' worth of memory and its P V products (O in C tiles 0-3, a panel of keys a
+ * k-step) are issued after the next panel's exponentials, so that the vector units compute the
+ * one while the tiles multiply the other. attend_block ran S for the whole block, then the
+ * softmax row by row, then P V, each waiting for the last: a 2 x 512 call of the 246M model
+ * 0.802x (medians of 15 per-round ratios, all 15 below 1; session 37). */
+static void attend_block_amx(const uint16_t *qkv, long ld, long first, long start, long n,
+                             long t0, long npos, long rep, long g, long hd, float scale,
+                             long window, const uint16_t *kp, const uint16_t *vt, uint16_t *out,
+                             long out_ld, uint16_t *qb, float *s, uint16_t *pb, float *o) {
+    long kmax = start + t0 + npos, np = (kmax + P - 1) / P, spad = np * P, hk = hd / AMX_K;
+    long nrows = npos * rep, kstride = (hd / 2) * 2 * P, vstride = vt_pairs(n) * 2 * P;
+    long lo[AR_AMX], tq[AR_AMX], lo_max = 0, tq_min = kmax;
+    for (long r = 0; r < nrows; r++) {
+        tq[r] = start + t0 + r / rep;
+        lo[r] = window > 0 && tq[r] + 1 > window ? tq[r] + 1 - window : 0;
+        lo_max = lo[r] > lo_max ? lo[r] : lo_max;
+        tq_min = tq[r] < tq_min ? tq[r] : tq_min;
+    }
+    for (long i = 0; i < npos; i++) {
+        const uint16_t *src = qkv + (first + t0 + i) * ld + g * rep * hd;
+        for (long d = 0; d < rep * hd; d += 32)
+            _mm512_storeu_si512(qb + i * rep * hd + d, _mm512_loadu_si512(src + d));
+    }
+    memset(qb + nrows * hd, 0, (size_t)(AR_AMX - nrows) * hd * sizeof(uint16_t));
+    _tile_loadd(4, qb, hd * 2);
+    if (hk == 2) _tile_loadd(5, qb + AMX_K, hd * 2);
+    __m512 mx[AR_AMX];
+    for (long r = 0; r < nrows; r++) mx[r] = _mm512_set1_ps(-INFINITY);
+    /* S panel by panel on alternating C tiles, each panel's row maxima taken while the next
+     * panel's products run */
+    for (long p = 0; p <= np; p++) {
+        if (p < np) {
+            const uint16_t *kpn = kp + p * kstride;
+            if (p & 1)
+                S_PANEL(2, 3, kpn, s + p * P);
+            else
+                S_PANEL(0, 1, kpn, s + p * P);
+        }
+        if (p == 0) continue;
+        long q = p - 1, j0 = q * P;
+        const float *sq = s + j0;
+        if (j0 >= lo_max && j0 + P - 1 <= tq_min) {
+            for (long r = 0; r < nrows; r++)
+                mx[r] = _mm512_max_ps(mx[r], _mm512_max_ps(_mm512_loadu_ps(sq + r * spad),
+                                                           _mm512_loadu_ps(sq + r * spad + 16)));
+            continue;
+        }
+        for (long r = 0; r < nrows; r++) {
+            uint32_t m = span_mask(j0, lo[r], tq[r]);
+            if (!m) continue;
+            mx[r] = _mm512_mask_max_ps(mx[r], (__mmask16)m, mx[r], _mm512_loadu_ps(sq + r * spad));
+            mx[r] = _mm512_mask_max_ps(mx[r], (__mmask16)(m >> 16), mx[r],
+                                       _mm512_loadu_ps(sq + r * spad + 16));
+        }
+    }
+    float a = scale * 1.44269504088896341f, b[AR_AMX];
+    __m512 sums[AR_AMX];
+    for (long r = 0; r < nrows; r++) {
+        b[r] = -_mm512_reduce_max_ps(mx[r]) * a;
+        sums[r] = _mm512_setzero_ps();
+    }
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+    const __m512 av = _mm512_set1_ps(a);
+    for (long i = 0; i < 2; i++)
+        memset(pb + (i * AR_AMX + nrows) * P, 0, (size_t)(AR_AMX - nrows) * P * 2);
+    _tile_zero(0);
+    _tile_zero(1);
+    if (hk == 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    /* P panel by panel into alternating 1 KiB tiles, each panel's P V products issued after
+     * the next panel's exponentials (so that P's stores have landed) */
+    for (long p = 0; p <= np; p++) {
+        if (p < np) {
+            long j0 = p * P;
+            const float *sq = s + j0;
+            uint16_t *pt = pb + (p & 1) * AR_AMX * P;
+            int full = j0 >= lo_max && j0 + P - 1 <= tq_min;
+            for (long r = 0; r < nrows; r++) {
+                uint32_t m = full ? 0xffffffffu : span_mask(j0, lo[r], tq[r]);
+                if (!m) {
+                    _mm512_storeu_si512(pt + r * P, _mm512_setzero_si512());
+                    continue;
+                }
+                __m512 br = _mm512_set1_ps(b[r]);
+                vf e0 = exp2_p((vf)_mm512_fmadd_ps(_mm512_loadu_ps(sq + r * spad), av, br));
+                vf e1 = exp2_p((vf)_mm512_fmadd_ps(_mm512_loadu_ps(sq + r * spad + 16), av, br));
+                __m512 f0 = (__m512)e0, f1 = (__m512)e1;
+                if (m != 0xffffffffu) {
+                    f0 = _mm512_maskz_mov_ps((__mmask16)m, f0);
+                    f1 = _mm512_maskz_mov_ps((__mmask16)(m >> 16), f1);
+                }
+                __m512bh h = _mm512_cvtne2ps_pbh(f1, f0);
+                _mm512_storeu_si512(pt + r * P, (__m512i)h);
+                sums[r] = _mm512_dpbf16_ps(sums[r], h, ones);
+            }
+        }
+        if (p == 0) continue;
+        long q = p - 1;
+        const uint16_t *vk = vt + q * AMX_K * P;
+        if (q & 1)
+            PV_STEP(5, pb + AR_AMX * P, vk);
+        else
+            PV_STEP(4, pb, vk);
+    }
+    _tile_stored(0, o, hd * 4);
+    _tile_stored(1, o + 16, hd * 4);
+    if (hk == 2) {
+        _tile_stored(2, o + 32, hd * 4);
+        _tile_stored(3, o + 48, hd * 4);
+    }
+    for (long r = 0; r < nrows; r++) {
+        float total = _mm512_reduce_add_ps(sums[r]), inv = total > 0.0f ? 1.0f / total : 0.0f;
+        uint16_t *dst = out + (first + t0 + r / rep) * out_ld + (g * rep + r % rep) * hd;
+        for (long d = 0; d < hd; d += VL) store_bf16(dst + d, *(vfu *)(o + r * hd + d) * inv);
+    }
+}
+#undef S_PANEL
+#undef PV_STEP
+#endif
+
 /* The calling thread's share of the next linear's weights (`panels` panels of panel_bytes,
  * split as the linear kernel splits them over the same threads: my_panels), prefetched into
  * L2 a few lines after each of this call's blocks (about `blocks` of them a thread) so that
@@ -289,6 +463,7 @@ int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *
     }
     nblocks = boff[nseq] * nkv;
     long spad = (maxn + P - 1) / P * P, ppad = (maxn + 31) / 32 * 32;
+    ppad = ppad < 2 * P ? 2 * P : ppad; /* attend_block_amx: two tiles of P */
     long gathered = cached ? 2 * maxn * hd * 2 : 0; /* a cached chunk's K and V rows */
     long per_thread = AR_MAX * (hd * 2 + spad * 4 + ppad * 2 + hd * 4) + gathered + 5 * 64;
     uint16_t *packs = malloc((size_t)(off[nseq] > 0 ? off[nseq] : 1) * sizeof(uint16_t));
@@ -339,9 +514,15 @@ int tg_prefill_attention_bf16(const uint16_t *qkv, long ld, long T, const long *
                 long n = lens[s], t0 = (blk - boff[s]) * npos, start = starts ? starts[s] : 0;
                 long k = npos < n - t0 ? npos : n - t0, nk = start + n;
                 const uint16_t *kp = packs + off[s] + g * packed_kv(nk, hd);
-                attend_block(qkv, ld, firsts[s], start, nk, t0, k, rep, g, hd, scale, window, kp,
-                             kp + (nk + P - 1) / P * (hd / 2) * 2 * P, out, out_ld, qb, sc, pb,
-                             o, amx);
+                const uint16_t *vt = kp + (nk + P - 1) / P * (hd / 2) * 2 * P;
+#if TG_AMX
+                if (amx && hd <= 2 * AMX_K)
+                    attend_block_amx(qkv, ld, firsts[s], start, nk, t0, k, rep, g, hd, scale,
+                                     window, kp, vt, out, out_ld, qb, sc, pb, o);
+                else
+#endif
+                    attend_block(qkv, ld, firsts[s], start, nk, t0, k, rep, g, hd, scale, window,
+                                 kp, vt, out, out_ld, qb, sc, pb, o, amx);
                 warm_step(&wl, wl.per);
             }
             warm_step(&wl, wl.n); /* what a short share of blocks left */
