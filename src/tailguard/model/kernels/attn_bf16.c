@@ -89,19 +89,20 @@ static long packed_kv(long n, long hd) {
 
 #if TG_BF16
 
-/* 2^t for finite t <= ~0: 2^(t - n) by a degree-4 polynomial (coefficients ln2^k / k!: ~4e-6
- * relative, against the 2^-9 of the bf16 P it is rounded to right after) and 2^n by vscalefps;
- * below 2^-126 a denormal or 0, which vcvtneps2bf16 flushes to 0, so no range mask. The
- * caller forms t = s scale log2(e) - max scale log2(e) in one FMA. Session 33's exp_p (degree
- * 5 after (s - max) * scale, * log2(e), a range mask) -> this: a 2 x 512 call 0.943x, degree 4
- * 0.956x of that (medians of 40 per-round ratios; session 36). */
+/* 2^t for finite t <= ~0: u = t - floor(t) in [0, 1) by one vreduceps, 2^u by a degree-4
+ * polynomial fitted to 2^u's relative error there (~2.6e-6, against the 2^-9 of the bf16 P it
+ * is rounded to right after), times 2^floor(t) by vscalefps (which floors t itself); below
+ * 2^-126 a denormal or 0, which vcvtneps2bf16 flushes to 0, so no range mask. The caller forms
+ * t = s scale log2(e) - max scale log2(e) in one FMA. Session 33's exp_p (degree 5 after
+ * (s - max) * scale, * log2(e), a range mask) -> exp2_p with round-to-nearest and a Taylor
+ * polynomial: a 2 x 512 call 0.943x, degree 4 0.956x of that (session 36); vreduceps for
+ * vrndscaleps and the subtraction 0.963x of that in attend_block_amx (medians of 15 per-round
+ * ratios, all below 1; session 37). */
 static inline vf exp2_p(vf t) {
-    __m512 n = _mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf u = (vf)_mm512_sub_ps((__m512)t, n);
-    vf p = 1.0f + u * (0.693147180559945309f +
-                       u * (0.240226506959100712f +
-                            u * (0.0555041086648215799f + u * 0.00961812910762847716f)));
-    return (vf)_mm512_scalef_ps((__m512)p, n);
+    vf u = (vf)_mm512_reduce_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    vf p = 1.00000261f +
+           u * (0.693003626f + u * (0.241443205f + u * (0.0520113513f + u * 0.0135339777f)));
+    return (vf)_mm512_scalef_ps((__m512)p, (__m512)t);
 }
 
 /* max of s[lo..hi] (a scalar loop was half of the whole kernel's time: one vmaxss chain). */
