@@ -597,14 +597,16 @@ def _prefill_or_fail(kernel: Bf16Kernel) -> PrefillAttention:
 
 
 @pytest.mark.parametrize(
-    ("nh", "nkv", "hd", "window"), [(16, 4, 64, 0), (12, 4, 32, 9), (8, 8, 32, 0)]
+    ("nh", "nkv", "hd", "window"),
+    [(16, 4, 64, 0), (12, 4, 32, 9), (8, 8, 32, 0), (8, 2, 128, 5)],
 )
 def test_prefill_attention_matches_sdpa_in_fp32(
     kernel: Bf16Kernel, amx: bool, nh: int, nkv: int, hd: int, window: int
 ) -> None:
     """Sequences of 1-70 rows (partial key panels and query blocks of 12 or 16 rows, keys off
     AMX's 32), a padding row, GQA 4, 3 and 1, a sliding window: within the error torch's own
-    bf16 SDPA makes against fp32."""
+    bf16 SDPA makes against fp32. On AMX, head_dim 32 and 64 take attend_block_amx, 128 the
+    tiles of attend_block."""
     attn = _prefill_or_fail(kernel)
     g = torch.Generator().manual_seed(nh + hd + window)
     lens = [1, 70, 33, 12, 64]
