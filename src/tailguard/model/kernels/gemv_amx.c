@@ -193,7 +193,7 @@ static void amx_store_silu(const float *g, const float *u, long ldc, int rows, u
         for (int h = 0; h < P; h += 16) {
             vf gv = as_stored16(_mm512_loadu_ps(g + m * ldc + h));
             vf uv = as_stored16(_mm512_loadu_ps(u + m * ldc + h));
-            store_bf16(y + m * ldy + h, rne(silu(gv)) * uv);
+            store_bf16(y + m * ldy + h, rne(silu_bf16(gv)) * uv);
         }
 }
 
