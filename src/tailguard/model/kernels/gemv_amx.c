@@ -238,9 +238,19 @@ static inline const uint16_t *amx_x_block(const struct amx_x *xs, long blk, long
 #define AMX_INPLACE_PANELS 16
 #endif
 
-/* Blocks of 32 x rows per group in amx_blocked: as many as fit in AMX_L2_X_BYTES. */
-static long amx_group(long M, long K) {
-    long blocks = (M + AMX_XB - 1) / AMX_XB, group = AMX_L2_X_BYTES / (AMX_XB * K * 2);
+#ifndef AMX_L2_X_BYTES_SILU
+#define AMX_L2_X_BYTES_SILU (512 * 1024)
+#endif
+
+/* Blocks of 32 x rows per group in amx_blocked: as many as fit in AMX_L2_X_BYTES, with silu in
+ * AMX_L2_X_BYTES_SILU (its gate and up sums wait in a buffer 4 blocks' sums a block of the
+ * group, struct amx_pending: with groups of 1 MiB of x, 1.3 MiB of a 2 MiB L2 a thread). w13
+ * + norm + silu at 1,024 rows (groups of 16 -> 8 blocks): 0.970x (20 per-round ratios, 18
+ * below 1; 12 blocks 0.985x, 6 blocks 1.006x); wqkv with groups of 8 blocks read 1.073x and
+ * keeps 16 (session 37). */
+static long amx_group(long M, long K, int silu) {
+    long bytes = silu ? AMX_L2_X_BYTES_SILU : AMX_L2_X_BYTES;
+    long blocks = (M + AMX_XB - 1) / AMX_XB, group = bytes / (AMX_XB * K * 2);
     return group < 1 ? 1 : group > blocks ? blocks : group;
 }
 
@@ -263,7 +273,7 @@ static long amx_kc(long K) {
  * K is chunked), and with silu two turns of the group's gate and up sums (struct
  * amx_pending). */
 static long amx_thread_floats(long M, long K, int silu) {
-    long g = amx_group(M, K) * AMX_XB * P;
+    long g = amx_group(M, K, silu) * AMX_XB * P;
     return (amx_kc(K) < K ? g : 0) + (silu ? 4 * g : 0);
 }
 
@@ -399,7 +409,7 @@ static void amx_blocked(const struct amx_x *xs, const uint16_t *wp, uint16_t *y,
                         float *buf) {
     long b = sh->b, e = sh->e;
     long kp_n = K / 2, pstride = kp_n * 2 * P;
-    long group = amx_group(M, K), gf = group * AMX_XB * P, kc = amx_kc(K);
+    long group = amx_group(M, K, silu), gf = group * AMX_XB * P, kc = amx_kc(K);
     long need = amx_thread_floats(M, K, silu);
     float *own = NULL;
     if (!buf && need && g_amx_buffers) buf = own = aligned_alloc(64, (size_t)need * 4);
