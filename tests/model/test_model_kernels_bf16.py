@@ -222,6 +222,36 @@ def test_fused_residual_add_gives_the_two_calls_bits(
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+def test_fused_residual_add_rounds_special_sums_as_torch(
+    kernel: Bf16Kernel, amx: bool, threads: int
+) -> None:
+    """The residual store's 32-column fast path hands rows whose sums hold a denormal or a
+    NaN (which vcvtne2ps2bf16 does not round as torch does) to the exact path: zero rows of x
+    against residuals of denormals, NaNs and +-inf, beside ordinary rows, bit for bit
+    `residual + linear(x)` (NaN where it is NaN)."""
+    if not amx:
+        pytest.skip("the fused residual store runs on AMX only")
+    g = torch.Generator().manual_seed(11)
+    m, n, k = 96, 64, 256
+    x = torch.randn(m, k, generator=g).bfloat16()
+    x[::3] = 0  # these rows' products are 0: their sums are the residual itself
+    w = kernel.pack((torch.randn(n, k, generator=g) * 0.1).bfloat16())
+    res = torch.randn(m, n, generator=g).bfloat16()
+    res[::6, ::5] = torch.tensor(3e-39).bfloat16()  # a denormal
+    res[3::6, 1::7] = -torch.tensor(1e-40).bfloat16()
+    res[6::12, 2] = float("nan")
+    res[9::12, 3] = float("inf")
+    res[9::12, 4] = -float("inf")
+    assert (res.float().abs() < 1.2e-38).any() and res.isnan().any()
+    got = kernel.linear_fused(x, w, threads, residual=res)
+    assert got is not None
+    want = res + kernel.linear(x, w, threads)
+    nan = want.isnan()  # NaN payloads differ (torch's vectorised add gives 0xffff): not compared
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_folded_rms_norm_gives_the_two_calls_bits(
     kernel: Bf16Kernel, amx: bool, threads: int
 ) -> None:
