@@ -2,7 +2,7 @@
  * (sequence, KV head) of 512 tokens (16 query rows a block: 4 positions x 4 heads), fp32
  * scores in, bf16 P and each row's 1 / sum out.
  *
- *   rows     attn_bf16.c's loop: S [16][keys], per row a vector max, then exp2_p, the causal
+ *   rows     attn_bf16.c's loop: S [16][keys], per row a vector max, then vexp2_bf16, the causal
  *            edge masked, P rounded by vcvtneps2bf16, its sum by vdpbf16ps, two horizontal
  *            reductions a row
  *   columns  S^T [keys][16] (as S^T = K Q^T on tiles would store it): every vector is one key
@@ -18,7 +18,7 @@
 #include <stdio.h>
 #include <time.h>
 
-#include "../src/tailguard/model/kernels/attn_bf16.c" /* exp2_p, span_max, vf / vfu / vi */
+#include "../src/tailguard/model/kernels/attn_bf16.c" /* vexp2_bf16, span_max, vf / vfu / vi */
 
 #define SPAD 544 /* keys a row of S holds (512 rounded up past the last block's) */
 #define LOG2E 1.44269504088896341f
@@ -44,7 +44,7 @@ static void rows(const float *s, long t0, uint16_t *pb, long ppad, float *inv, f
                 _mm256_storeu_si256((__m256i *)(pr + j), _mm256_setzero_si256());
                 continue;
             }
-            vf e = exp2_p(*(const vfu *)(sr + j) * a + b);
+            vf e = vexp2_bf16(*(const vfu *)(sr + j) * a + b);
             if (j + 15 > tq) e = (vf)((vi)e & ((iota + (int)j) <= (vi){} + (int)tq));
             __m256bh h = _mm512_cvtneps_pbh((__m512)e);
             _mm256_storeu_si256((__m256i *)(pr + j), (__m256i)h);
@@ -82,14 +82,14 @@ static void cols(const float *sT, long kmax, long kpad, long t0, uint16_t *pT, f
     for (j = 0; j < kpad; j += 2) {
         vf e0 = {}, e1 = {};
         if (j < kmax) {
-            e0 = exp2_p(*(const vfu *)(sT + j * 16) * a + b);
+            e0 = vexp2_bf16(*(const vfu *)(sT + j * 16) * a + b);
             if (j > t0) {
                 __mmask16 k = _mm512_cmple_epi32_mask(_mm512_set1_epi32((int)j), tq);
                 e0 = (vf)_mm512_maskz_mov_ps(k, (__m512)e0);
             }
         }
         if (j + 1 < kmax) {
-            e1 = exp2_p(*(const vfu *)(sT + (j + 1) * 16) * a + b);
+            e1 = vexp2_bf16(*(const vfu *)(sT + (j + 1) * 16) * a + b);
             if (j + 1 > t0) {
                 __mmask16 k = _mm512_cmple_epi32_mask(_mm512_set1_epi32((int)j + 1), tq);
                 e1 = (vf)_mm512_maskz_mov_ps(k, (__m512)e1);

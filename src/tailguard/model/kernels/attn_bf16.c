@@ -31,9 +31,9 @@
  * lanes wholly past the causal limit (or before the window) skip the exp, only lanes across an
  * edge build a mask, and P rounds to bf16 in one vcvtneps2bf16 (the same bits as rows.c's rne
  * on these values): 3.4-3.7 -> 2.5-2.9 ms a call, bit for bit the same (session 32). Session 33:
- * the exp of P is exp_p, degree 5 (P is bf16), ~9% of a call. Session 36: exp2_p, its
- * argument in one FMA (a call 0.943x), degree 4 (0.956x of that). Session 37: on tiles with
- * hd <= 64, attend_block_amx overlaps the tile products with the softmax (0.802x).
+ * the exp of P is exp_p, degree 5 (P is bf16), ~9% of a call. Sessions 36-37: rows.c's
+ * vexp2_bf16, its argument in one FMA. Session 37: on tiles with hd <= 64, attend_block_amx
+ * overlaps the tile products with the softmax (0.802x).
  */
 #include <string.h>
 
@@ -89,22 +89,6 @@ static long packed_kv(long n, long hd) {
 
 #if TG_BF16
 
-/* 2^t for finite t <= ~0: u = t - floor(t) in [0, 1) by one vreduceps, 2^u by a degree-4
- * polynomial fitted to 2^u's relative error there (~2.6e-6, against the 2^-9 of the bf16 P it
- * is rounded to right after), times 2^floor(t) by vscalefps (which floors t itself); below
- * 2^-126 a denormal or 0, which vcvtneps2bf16 flushes to 0, so no range mask. The caller forms
- * t = s scale log2(e) - max scale log2(e) in one FMA. Session 33's exp_p (degree 5 after
- * (s - max) * scale, * log2(e), a range mask) -> exp2_p with round-to-nearest and a Taylor
- * polynomial: a 2 x 512 call 0.943x, degree 4 0.956x of that (session 36); vreduceps for
- * vrndscaleps and the subtraction 0.963x of that in attend_block_amx (medians of 15 per-round
- * ratios, all below 1; session 37). */
-static inline vf exp2_p(vf t) {
-    vf u = (vf)_mm512_reduce_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    vf p = 1.00000261f +
-           u * (0.693003626f + u * (0.241443205f + u * (0.0520113513f + u * 0.0135339777f)));
-    return (vf)_mm512_scalef_ps((__m512)p, (__m512)t);
-}
-
 /* max of s[lo..hi] (a scalar loop was half of the whole kernel's time: one vmaxss chain). */
 static float span_max(const float *s, long lo, long hi) {
     __m512 m = _mm512_set1_ps(-INFINITY), m1 = m, m2 = m, m3 = m;
@@ -122,6 +106,18 @@ static float span_max(const float *s, long lo, long hi) {
         m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, s + j));
     }
     return _mm512_reduce_max_ps(m);
+}
+
+/* A block's query rows into qb [ar][hd]: rows first .. first + npos - 1 of qkv, the rep query
+ * heads of KV head g each (adjacent in a row: one copy a position), zero rows after. */
+static inline void copy_queries(const uint16_t *qkv, long ld, long first, long npos, long rep,
+                                long g, long hd, long ar, uint16_t *qb) {
+    for (long i = 0; i < npos; i++) {
+        const uint16_t *src = qkv + (first + i) * ld + g * rep * hd;
+        for (long d = 0; d < rep * hd; d += 32) /* hd % 32 == 0 */
+            _mm512_storeu_si512(qb + i * rep * hd + d, _mm512_loadu_si512(src + d));
+    }
+    memset(qb + npos * rep * hd, 0, (size_t)(ar - npos * rep) * hd * sizeof(uint16_t));
 }
 
 /* c[ar][P] fp32 = a[ar][2 kp_n] x one panel: AR rows on vdpbf16ps, AR_AMX on tiles. */
@@ -144,12 +140,7 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long start, l
                          uint16_t *qb, float *s, uint16_t *pb, float *o, int amx) {
     long kmax = start + t0 + npos, np = (kmax + P - 1) / P, spad = np * P;
     long ppad = amx ? (kmax + 31) / 32 * 32 : (kmax + 1) / 2 * 2, ar = amx ? AR_AMX : AR;
-    for (long i = 0; i < npos; i++) { /* a position's rep heads are adjacent: one copy */
-        const uint16_t *src = qkv + (first + t0 + i) * ld + g * rep * hd;
-        for (long d = 0; d < rep * hd; d += 32) /* hd % 32 == 0 */
-            _mm512_storeu_si512(qb + i * rep * hd + d, _mm512_loadu_si512(src + d));
-    }
-    memset(qb + npos * rep * hd, 0, (size_t)(ar - npos * rep) * hd * sizeof(uint16_t));
+    copy_queries(qkv, ld, first + t0, npos, rep, g, hd, ar, qb);
     long kstride = (hd / 2) * 2 * P;
     for (long p = 0; p < np; p++)
         product(qb, hd, kp + p * kstride, hd / 2, s + p * P, spad, amx);
@@ -167,7 +158,7 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long start, l
                 *(vhu *)(pr + j) = (vh){};
                 continue;
             }
-            vf e = exp2_p(*(vfu *)(sr + j) * a + b);
+            vf e = vexp2_bf16(*(vfu *)(sr + j) * a + b);
             if (j < lo || j + VL - 1 > tq) { /* lanes across the window's or the causal edge */
                 const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
                 vi idx = iota + (int)j;
@@ -186,7 +177,7 @@ static void attend_block(const uint16_t *qkv, long ld, long first, long start, l
             if (j >= lo && j <= tq) {
                 vf v = (vf){} - 100.0f;
                 v[0] = sr[j] * a + b;
-                vf x = exp2_p(v); /* flushed below 2^-126 as vcvtneps2bf16 flushes */
+                vf x = vexp2_bf16(v); /* flushed below 2^-126 as vcvtneps2bf16 flushes */
                 e = x[0] < 0x1p-126f ? 0.0f : rne(x)[0];
             }
             total += e;
@@ -273,12 +264,7 @@ static void attend_block_amx(const uint16_t *qkv, long ld, long first, long star
         lo_max = lo[r] > lo_max ? lo[r] : lo_max;
         tq_min = tq[r] < tq_min ? tq[r] : tq_min;
     }
-    for (long i = 0; i < npos; i++) {
-        const uint16_t *src = qkv + (first + t0 + i) * ld + g * rep * hd;
-        for (long d = 0; d < rep * hd; d += 32)
-            _mm512_storeu_si512(qb + i * rep * hd + d, _mm512_loadu_si512(src + d));
-    }
-    memset(qb + nrows * hd, 0, (size_t)(AR_AMX - nrows) * hd * sizeof(uint16_t));
+    copy_queries(qkv, ld, first + t0, npos, rep, g, hd, AR_AMX, qb);
     _tile_loadd(4, qb, hd * 2);
     if (hk == 2) _tile_loadd(5, qb + AMX_K, hd * 2);
     __m512 mx[AR_AMX];
@@ -341,9 +327,10 @@ static void attend_block_amx(const uint16_t *qkv, long ld, long first, long star
                     continue;
                 }
                 __m512 br = _mm512_set1_ps(b[r]);
-                vf e0 = exp2_p((vf)_mm512_fmadd_ps(_mm512_loadu_ps(sq + r * spad), av, br));
-                vf e1 = exp2_p((vf)_mm512_fmadd_ps(_mm512_loadu_ps(sq + r * spad + 16), av, br));
-                __m512 f0 = (__m512)e0, f1 = (__m512)e1;
+                __m512 f0 = (__m512)vexp2_bf16(
+                    (vf)_mm512_fmadd_ps(_mm512_loadu_ps(sq + r * spad), av, br));
+                __m512 f1 = (__m512)vexp2_bf16(
+                    (vf)_mm512_fmadd_ps(_mm512_loadu_ps(sq + r * spad + 16), av, br));
                 if (m != 0xffffffffu) {
                     f0 = _mm512_maskz_mov_ps((__mmask16)m, f0);
                     f1 = _mm512_maskz_mov_ps((__mmask16)(m >> 16), f1);

@@ -63,6 +63,7 @@ int tg_decode_stack(const struct tg_layer *layers, long n_layers, const struct t
     float *h = scratch, *qkv = h + T * H, *att = qkv + T * nqkv, *tmp = att + T * nq;
     float *gu = tmp + T * H, *act = gu + T * 2 * I, *xt = act + T * I;
     float *scores = xt + (T > MB_MAX ? T * max3(H, nq, I) : 0);
+    long real[nseq > 0 ? nseq : 1], nreal = real_seqs(q_rows, nseq, T, real); /* shared */
 #pragma omp parallel num_threads(nthreads)
     {
 #ifdef _OPENMP
@@ -71,7 +72,6 @@ int tg_decode_stack(const struct tg_layer *layers, long n_layers, const struct t
 #else
         float *p = scores;
 #endif
-        long real[nseq > 0 ? nseq : 1], nreal = real_seqs(q_rows, nseq, T, real);
         for (long l = 0; l < n_layers; l++) {
             const struct tg_layer *L = layers + l;
 #pragma omp for schedule(static)

@@ -93,10 +93,10 @@ int tg_decode_stack_bf16(const struct tg_layer_bf16 *layers, long n_layers,
     bf16_t *gu = carve(&c, 2 * T * 2 * I), *act = carve(&c, 2 * T * I);
     uint32_t *xt = carve(&c, xt_bytes(T, max3(H, nq, I)));
     float *scores = (float *)c;
+    long real[nseq > 0 ? nseq : 1], nreal = real_seqs(q_rows, nseq, T, real); /* shared */
 #pragma omp parallel num_threads(nthreads)
     {
         float *p = scores + (long)thread_num() * (nh / nkv) * (max_ctx + 1);
-        long real[nseq > 0 ? nseq : 1], nreal = real_seqs(q_rows, nseq, T, real);
         for (long l = 0; l < n_layers; l++) {
             const struct tg_layer_bf16 *L = layers + l;
 #pragma omp for schedule(static)

@@ -204,8 +204,9 @@ static void amx_store_silu(const float *g, const float *u, long ldc, int rows, u
  * 128-bit lane's words out of order, the same order for both), the sums rounded by one
  * vcvtne2ps2bf16 and put back in order by one vpermw; a row whose sums hold a denormal or a
  * NaN (which vcvtne2ps2bf16 does not round as c10 does: rows.c's hw_rne_ok) takes the 16-lane
- * path. wo and w2 with the residual at 1,024 rows: the old 16-lane store had cost 5-7% of the
- * call (a build storing the product alone 0.947x / 0.926x; session 37). */
+ * path. wo and w2 with the residual at 1,024 rows: the whole store had cost 5-7% of the call
+ * (a build storing the product alone 0.947x / 0.926x); this one ~1-2% faster than the 16-lane
+ * one (A/Bs in both orders; session 37). */
 static void amx_store_add(const float *c, long ldc, int rows, const uint16_t *r, long ldr,
                           uint16_t *y, long ldy) {
     /* word n of the row in natural order is word order[n] of the packed unpacked halves */
@@ -221,7 +222,7 @@ static void amx_store_add(const float *c, long ldc, int rows, const uint16_t *r,
                                   (__m512)_mm512_unpacklo_epi16(zero, rw));
         __m512 hi = _mm512_add_ps((__m512)_mm512_unpackhi_epi16(zero, pw),
                                   (__m512)_mm512_unpackhi_epi16(zero, rw));
-        if ((_mm512_fpclass_ps_mask(lo, 0xA1) | _mm512_fpclass_ps_mask(hi, 0xA1)) == 0) {
+        if (hw_rne_ok((vf)lo) && hw_rne_ok((vf)hi)) {
             __m512i sw = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
             _mm512_storeu_si512(y + m * ldy, _mm512_permutexvar_epi16(order, sw));
             continue;
@@ -269,9 +270,9 @@ static inline const uint16_t *amx_x_block(const struct amx_x *xs, long blk, long
 /* Blocks of 32 x rows per group in amx_blocked: as many as fit in AMX_L2_X_BYTES, with silu in
  * AMX_L2_X_BYTES_SILU (its gate and up sums wait in a buffer 4 blocks' sums a block of the
  * group, struct amx_pending: with groups of 1 MiB of x, 1.3 MiB of a 2 MiB L2 a thread). w13
- * + norm + silu at 1,024 rows (groups of 16 -> 8 blocks): 0.970x (20 per-round ratios, 18
- * below 1; 12 blocks 0.985x, 6 blocks 1.006x); wqkv with groups of 8 blocks read 1.073x and
- * keeps 16 (session 37). */
+ * + norm + silu at 1,024 rows (groups of 16 -> 8 blocks): 0.970x and 0.850x in two A/Bs (12
+ * blocks 0.985x, 6 blocks 1.006x); in the model w13 / w2 1.52-1.60 -> 1.43-1.48 a step. wqkv
+ * (no silu) with groups of 8 blocks read no better in the model and keeps 16 (session 37). */
 static long amx_group(long M, long K, int silu) {
     long bytes = silu ? AMX_L2_X_BYTES_SILU : AMX_L2_X_BYTES;
     long blocks = (M + AMX_XB - 1) / AMX_XB, group = bytes / (AMX_XB * K * 2);

@@ -40,7 +40,10 @@
 
 #include "rows.c" /* silu and the bf16 roundings of the fused silu(gate) * up store */
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VL__)
+/* The bf16 kernels also take AVX512-DQ (every CPU with AVX512-BF16 has it): rows.c's vexp2_bf16
+ * (vreduceps) and the rounding checks (vfpclassps, rows.c's hw_rne_ok). */
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VL__) &&               \
+    defined(__AVX512DQ__)
 #include <immintrin.h>
 #define TG_BF16 1
 #else

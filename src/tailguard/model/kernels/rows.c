@@ -503,26 +503,35 @@ static inline void rms_row_bf16(const uint16_t *xr, const uint16_t *w, uint16_t 
     rms_apply_bf16(xr, w, rms_scale_bf16(xr, H, eps), y, H);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(SILU_EXACT)
-/* silu for the bf16 paths, whose result is rounded to bf16 right after (2^-9): e^-|a| as
- * 2^t, t = -|a| log2(e), by t - floor(t) in one vreduceps, a degree-4 polynomial fitted on
- * [0, 1) (~2.6e-6 relative) and vscalefps (which floors t; what underflows is 0 or a
- * denormal, whose 1 + e is 1), and 1 / (1 + e) by vrcp14ps and one Newton step (~1e-7),
- * for silu's degree-7 exp and its division: ~3e-6 relative in all, where the bf16 rounding
- * after it is 2e-3. w13 with silu and the folded norm at 1,024 rows: silu ~5-6% of the call
- * (a build without it 0.95x / 0.94x; session 37). */
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+/* 2^t for finite t <= ~0, for results rounded to bf16 right after (2^-9): u = t - floor(t) in
+ * [0, 1) by one vreduceps, 2^u by a degree-4 polynomial fitted to its relative error there
+ * (~2.6e-6), times 2^floor(t) by vscalefps (which floors t itself); below 2^-126 a denormal
+ * or 0 (vcvtneps2bf16 flushes both to 0), so no range mask. The prefill attention's P
+ * (attn_bf16.c) and silu_bf16. History: session 33's exp_p (degree 5 after (s - max) * scale
+ * * log2(e), a range mask) -> the caller's argument in one FMA and a degree-4 Taylor
+ * polynomial after vrndscaleps, a 2 x 512 attention call 0.943x, then 0.956x (session 36);
+ * vreduceps for vrndscaleps and the subtraction 0.963x / 0.966x, and 0.959x with the builds
+ * in the other order (session 37). */
+static inline vf vexp2_bf16(vf t) {
+    vf u = (vf)_mm512_reduce_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    vf p = 1.00000261f +
+           u * (0.693003626f + u * (0.241443205f + u * (0.0520113513f + u * 0.0135339777f)));
+    return (vf)_mm512_scalef_ps((__m512)p, (__m512)t);
+}
+
+/* silu for the bf16 paths, whose result is rounded to bf16 right after: e^-|a| as
+ * vexp2_bf16(-|a| log2(e)), and 1 / (1 + e) by vrcp14ps and one Newton step (~1e-7), where
+ * silu has a degree-7 exp and a division for fp32: ~3e-6 relative in all. w13 + norm + silu at
+ * 1,024 rows 0.901x / 0.973x (the two builds in either order; session 37): the deferred silu
+ * store's vector work had slowed the tile loop it runs inside. */
 static inline vf silu_bf16(vf a) {
-    __m512 t = _mm512_mul_ps(_mm512_abs_ps((__m512)a), _mm512_set1_ps(-1.44269504088896341f));
-    __m512 u = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 p = _mm512_fmadd_ps(u, _mm512_set1_ps(0.0135339777f), _mm512_set1_ps(0.0520113513f));
-    p = _mm512_fmadd_ps(p, u, _mm512_set1_ps(0.241443205f));
-    p = _mm512_fmadd_ps(p, u, _mm512_set1_ps(0.693003626f));
-    p = _mm512_fmadd_ps(p, u, _mm512_set1_ps(1.00000261f));
-    __m512 e = _mm512_scalef_ps(p, t), d = _mm512_add_ps(e, _mm512_set1_ps(1.0f));
-    __m512 r = _mm512_rcp14_ps(d);
+    vf e = vexp2_bf16((vf)_mm512_mul_ps(_mm512_abs_ps((__m512)a),
+                                        _mm512_set1_ps(-1.44269504088896341f)));
+    __m512 d = _mm512_add_ps((__m512)e, _mm512_set1_ps(1.0f)), r = _mm512_rcp14_ps(d);
     r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f))); /* r (2 - d r) */
     __mmask16 neg = _mm512_cmp_ps_mask((__m512)a, _mm512_setzero_ps(), _CMP_LT_OQ);
-    __m512 num = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), neg, e); /* sigmoid = num / d */
+    __m512 num = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), neg, (__m512)e); /* sigmoid: num / d */
     return (vf)_mm512_mul_ps((__m512)a, _mm512_mul_ps(num, r));
 }
 #else
