@@ -33,6 +33,7 @@ from tailguard.model.kernels.decode import (
     load_decode_stack,
 )
 from tailguard.model.kernels.decode import self_check as decode_self_check
+from tailguard.model.kernels.pages import HUGE_PAGE, huge_empty
 from tailguard.model.kernels.rows import row_kernel_unavailable_reason, self_check
 from tailguard.model.loader import load_model
 from tailguard.model.mistral import (
@@ -93,6 +94,42 @@ def test_kernel_reads_row_strided_inputs_and_model_sized_shapes(kernel: SmallMKe
     wt = w.t().contiguous().t()  # not contiguous: packed from a contiguous copy
     x = torch.randn(3, 24, generator=g)
     assert torch.equal(kernel.linear(x, kernel.pack(wt)), kernel.linear(x, kernel.pack(w)))
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping holding `addr` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            if lo <= addr < hi:
+                flags = next(f for f in lines[i + 1 :] if f.startswith("VmFlags:"))
+                return flags.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_panels_of_model_sized_weights_lie_on_advised_huge_pages(kernel: SmallMKernel) -> None:
+    """A weight of 2 MiB or more is packed into a fresh mapping advised MADV_HUGEPAGE, starting
+    on a 2 MiB boundary, and reads the same as ordinary memory; a small one stays on torch's
+    allocator."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(1536, 1024, generator=g)  # 6 MiB in fp32
+    packed = kernel.pack(w)
+    ptr = packed.panels.data_ptr()
+    assert ptr % HUGE_PAGE == 0
+    assert "hg" in _vm_flags(ptr), "the panels' mapping was not advised MADV_HUGEPAGE"
+    x = torch.randn(8, 1024, generator=g)
+    _assert_close(kernel.linear(x, packed), _reference(x, w), "panels on huge pages")
+    small = huge_empty((HUGE_PAGE // 8,), torch.float32)  # 1 MiB: torch's allocator
+    assert "hg" not in _vm_flags(small.data_ptr())
+    big = huge_empty((3, HUGE_PAGE // 4), torch.float32)  # 6 MiB
+    del packed, w  # the tensor keeps its mapping alive on its own
+    big.fill_(2.0)
+    assert (
+        big.shape == (3, HUGE_PAGE // 4) and big.is_contiguous() and big.sum() == 6 * HUGE_PAGE // 4
+    )
 
 
 def test_kernel_refuses_what_it_cannot_read(kernel: SmallMKernel) -> None:

@@ -18,6 +18,14 @@
  * and for each panel every chunk of the group while the panel is in L1/L2. At decode sizes
  * there is one chunk and each weight is read exactly once.
  *
+ * With 256-bit vectors (AVX2: 16 registers, so MB_MAX is 6 rows) a decode step's 8 rows are
+ * two chunks. Run one after the other over a whole panel (64 KiB at K = 1,024), the second
+ * re-read the panel from L2 while the memory stream stood idle, and a 2-row chunk's 4
+ * accumulators wait on FMA latency: [8 x 1024] x [1024 x 5632] streamed 16-17 GB/s where one
+ * row streams 21. So up to DIRECT_MAX rows, each panel is walked in blocks of KB values of k,
+ * every chunk in turn on a block while it is in L1, the sums carried in a small buffer
+ * (kblock_rows): 0.91-0.95x the time at 7-32 rows, 0.97x at 64 (docs/benchmarks.md, session 38).
+ *
  * Threads: the panels are split into contiguous ranges, one per OpenMP thread (the caller
  * passes torch's thread count; torch's own libgomp serves the parallel region when this
  * library is loaded into a process that imported torch, so there is one thread pool).
@@ -31,13 +39,17 @@
 #if defined(__AVX512F__)
 #define VBYTES 64
 #define MB_MAX 12 /* 24 accumulators + 2 weights + broadcasts within 32 registers */
+#define DIRECT_MAX MB_MAX /* one chunk read in place; the k-blocked walk not measured here */
 #elif defined(__AVX__)
 #define VBYTES 32
 #define MB_MAX 6 /* 12 + 2 + broadcasts within 16 */
+#define DIRECT_MAX 64 /* rows read in place, chunks walked over k blocks (kblock_rows) */
 #else
 #define VBYTES 16
 #define MB_MAX 6
+#define DIRECT_MAX MB_MAX
 #endif
+#define KB 32 /* k values a block: 2 KiB of a 16-column panel, every chunk's pass in L1 */
 #define VL (VBYTES / 4)
 #define P (2 * VL)
 #define L2_X_BYTES (512 * 1024) /* x chunks kept in L2 while the panels stream past */
@@ -95,6 +107,38 @@ ALWAYS_INLINE void panel(const float *restrict x, long ldx, const float *restric
     }
 }
 
+/* MB rows of x (read in place, ldx apart) against the panel's rows [k0, k1), the sums
+ * carried in acc[MB][P] from one block to the next. PF: prefetch the stream ahead (the first
+ * chunk on a block does; the others find the block in L1). */
+ALWAYS_INLINE void panel_block(const float *restrict x, long ldx, const float *restrict wp,
+                               long k0, long k1, float *restrict acc, const int MB,
+                               const int PF) {
+    vf a0[MB_MAX], a1[MB_MAX];
+#pragma GCC unroll 12
+    for (int m = 0; m < MB; m++) {
+        a0[m] = *(const vf *)(acc + m * P);
+        a1[m] = *(const vf *)(acc + m * P + VL);
+    }
+#pragma GCC unroll 2
+    for (long k = k0; k < k1; k++) {
+        if (PF) __builtin_prefetch(wp + (k + PF_ROWS) * P, 0, PF_LOC);
+        if (PF && P * 4 > 64) __builtin_prefetch(wp + (k + PF_ROWS) * P + P / 2, 0, PF_LOC);
+        const vf w0 = *(const vfu *)(wp + k * P);
+        const vf w1 = *(const vfu *)(wp + k * P + VL);
+#pragma GCC unroll 12
+        for (int m = 0; m < MB; m++) {
+            const vf b = x[m * ldx + k] - (vf){0};
+            a0[m] += w0 * b;
+            a1[m] += w1 * b;
+        }
+    }
+#pragma GCC unroll 12
+    for (int m = 0; m < MB; m++) {
+        *(vf *)(acc + m * P) = a0[m];
+        *(vf *)(acc + m * P + VL) = a1[m];
+    }
+}
+
 #define DEFINE_PANEL(MB)                                                                       \
     static void panel_##MB(const float *x, long ldx, const float *wp, long K, float *y,        \
                            long ldy, long n0, long nvalid) {                                   \
@@ -103,6 +147,13 @@ ALWAYS_INLINE void panel(const float *restrict x, long ldx, const float *restric
     static void direct_##MB(const float *x, long ldx, const float *wp, long K, float *y,       \
                             long ldy, long n0, long nvalid) {                                  \
         panel(x, ldx, wp, K, y, ldy, n0, nvalid, MB, 1);                                       \
+    }                                                                                          \
+    static void block_##MB(const float *x, long ldx, const float *wp, long k0, long k1,        \
+                           float *acc, int first) {                                            \
+        if (first)                                                                             \
+            panel_block(x, ldx, wp, k0, k1, acc, MB, 1);                                       \
+        else                                                                                   \
+            panel_block(x, ldx, wp, k0, k1, acc, MB, 0);                                       \
     }
 DEFINE_PANEL(1)
 DEFINE_PANEL(2)
@@ -132,6 +183,29 @@ static const panel_fn DIRECT[MB_MAX + 1] = {
     direct_7, direct_8, direct_9, direct_10, direct_11, direct_12,
 #endif
 };
+typedef void (*block_fn)(const float *, long, const float *, long, long, float *, int);
+static const block_fn BLOCK[MB_MAX + 1] = {
+    0, block_1, block_2, block_3, block_4, block_5, block_6,
+#if MB_MAX > 6
+    block_7, block_8, block_9, block_10, block_11, block_12,
+#endif
+};
+
+/* M rows (MB_MAX < M <= DIRECT_MAX) read in place against one panel: chunks of at most
+ * MB_MAX rows, balanced (8 = 4 + 4), each over the panel's k block in turn while it is in L1. */
+static void kblock_rows(const float *x, long ldx, const float *wp, long K, float *y, long ldy,
+                        long n0, long nvalid, long M) {
+    float acc[DIRECT_MAX * P] __attribute__((aligned(64)));
+    memset(acc, 0, (size_t)M * P * sizeof(float));
+    long chunks = (M + MB_MAX - 1) / MB_MAX, base = M / chunks, extra = M % chunks;
+    for (long k0 = 0; k0 < K; k0 += KB) {
+        long k1 = k0 + KB < K ? k0 + KB : K;
+        for (long c = 0, m0 = 0; c < chunks; m0 += base + (c < extra), c++)
+            BLOCK[base + (c < extra)](x + m0 * ldx, ldx, wp, k0, k1, acc + m0 * P, c == 0);
+    }
+    for (long m = 0; m < M; m++)
+        for (long j = 0; j < nvalid; j++) y[m * ldy + n0 + j] = acc[m * P + j];
+}
 
 int tg_panel_width(void) { return P; }
 
@@ -190,18 +264,23 @@ static void my_panels(long panels, long *b, long *e) {
 }
 
 /* The product below for the calling thread of an enclosing parallel region (every thread of
- * it must call this with the same arguments). Up to MB_MAX rows x is read in place; above,
+ * it must call this with the same arguments). Up to DIRECT_MAX rows x is read in place; above,
  * every thread transposes its share of the chunks into xt (M * K floats, shared) first. The
  * caller puts a barrier after it before reading y. */
 static void linear_in_region(const float *x, long ldx, const float *wp, float *y, long ldy,
                              long M, long N, long K, float *xt) {
     long panels = (N + P - 1) / P;
     long b, e;
-    if (M <= MB_MAX) { /* decode sizes: x read in place, every weight read once */
-        my_panels(panels, &b, &e);
-        for (long p = b; p < e; p++) {
+    if (M <= DIRECT_MAX) { /* decode sizes: x read in place, every weight read once */
+        /* panels handed out 4 at a time: a core slowed by a neighbour (the HTTP process, the
+         * host) takes fewer instead of holding the other at the next barrier */
+#pragma omp for schedule(dynamic, 4) nowait
+        for (long p = 0; p < panels; p++) {
             long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
-            DIRECT[M](x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid);
+            if (M <= MB_MAX)
+                DIRECT[M](x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid);
+            else
+                kblock_rows(x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid, M);
         }
         return;
     }
@@ -225,7 +304,7 @@ int tg_linear_small_m(const float *x, long ldx, const float *wp, float *y, long 
     long panels = (N + P - 1) / P;
     if (nthreads > panels) nthreads = (int)panels;
     float *xt = NULL;
-    if (M > MB_MAX && !(xt = malloc((size_t)M * (size_t)K * sizeof(float)))) return -2;
+    if (M > DIRECT_MAX && !(xt = malloc((size_t)M * (size_t)K * sizeof(float)))) return -2;
 #pragma omp parallel num_threads(nthreads)
     linear_in_region(x, ldx, wp, y, ldy, M, N, K, xt);
     free(xt);
@@ -233,4 +312,4 @@ int tg_linear_small_m(const float *x, long ldx, const float *wp, float *y, long 
 }
 
 /* Lets the loader check that the library it opened is the one it built. */
-int tg_kernel_abi(void) { return 3; }
+int tg_kernel_abi(void) { return 4; }

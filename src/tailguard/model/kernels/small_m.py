@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from tailguard.model.kernels.build import Loader
+from tailguard.model.kernels.pages import huge_empty
 
 __all__ = [
     "MAX_M",
@@ -32,7 +33,7 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("gemv.c")
-ABI = 3  # tg_kernel_abi() of the source this module expects
+ABI = 4  # tg_kernel_abi() of the source this module expects
 
 # Rows up to which the kernel clearly beats oneDNN's fp32 matmul: measured on the 2-core
 # AVX-512 Xeon (docs/benchmarks.md, issue 12, session 21) 0.7x its time at 16-32 rows,
@@ -107,7 +108,7 @@ class SmallMKernel:
             raise ValueError(f"small-M kernel packs CPU fp32 [N, K]: got {w.dtype} {w.shape}")
         w = w.detach().contiguous()
         n, k = w.shape
-        panels = torch.empty(-(-n // self.width), k, self.width, dtype=torch.float32)
+        panels = huge_empty((-(-n // self.width), k, self.width), torch.float32)
         self._pack(w.data_ptr(), panels.data_ptr(), n, k)
         return PanelWeight(panels, n, k)
 

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from tailguard.model.kernels.build import Loader
+from tailguard.model.kernels.pages import huge_empty
 from tailguard.model.kernels.small_m import PanelWeight
 
 __all__ = [
@@ -117,7 +118,7 @@ class Bf16Kernel(AmxPath):
             raise ValueError(f"bf16 kernel packs CPU bf16 [N, K]: got {w.dtype} {w.shape}")
         w = w.detach().contiguous()
         n, k = w.shape
-        panels = torch.empty(-(-n // self.width), -(-k // 2), 2 * self.width, dtype=w.dtype)
+        panels = huge_empty((-(-n // self.width), -(-k // 2), 2 * self.width), w.dtype)
         self._pack(w.data_ptr(), panels.data_ptr(), n, k)
         return PanelWeight(panels, n, k)
 
