@@ -92,9 +92,9 @@ int tg_decode_stack(const struct tg_layer *layers, long n_layers, const struct t
 #pragma omp for schedule(static)
             for (long i = 0; i < nreal * nkv; i++) {
                 long s = real[i / nkv], g = i % nkv;
-                attend_kv_head(qkv, nqkv, q_rows[s], L->k_cache, L->v_cache,
-                               tables + s * tbl_ld, ctx_lens[s], d->bs, nkv, hd, d->nh / nkv, g,
-                               d->scale, d->window, att, nq, p);
+                attend_one(qkv, nqkv, q_rows[s], L->k_cache, L->v_cache, tables + s * tbl_ld,
+                           ctx_lens[s], d->bs, d->nh, nkv, hd, g, d->scale, d->window, att, nq, p,
+                           0);
             }
             linear_in_region(att, nq, L->wo, tmp, H, T, H, nq, xt);
 #pragma omp barrier
