@@ -314,14 +314,6 @@ ALWAYS_INLINE void attend_kv_head_t(const void *q, long q_ld, long qrow, const v
     }
 }
 
-static void attend_kv_head(const float *q, long q_ld, long qrow, const float *k_cache,
-                           const float *v_cache, const long *table, long n, long bs, long nkv,
-                           long hd, long rep, long g, float scale, long window, float *out,
-                           long out_ld, float *p) {
-    attend_kv_head_t(q, q_ld, qrow, k_cache, v_cache, table, n, bs, nkv, hd, rep, g, scale,
-                     window, out, out_ld, p, 0);
-}
-
 /* One (sequence, KV head) of the decode attention: Mistral's shapes with constant sizes, so
  * the loops unroll and the sums stay in registers (the same sums in the same order as the
  * generic call). Shared by tg_decode_attention* and the decode stacks. */
