@@ -24,7 +24,8 @@
  * accumulators wait on FMA latency: [8 x 1024] x [1024 x 5632] streamed 16-17 GB/s where one
  * row streams 21. So up to DIRECT_MAX rows, each panel is walked in blocks of KB values of k,
  * every chunk in turn on a block while it is in L1, the sums carried in a small buffer
- * (kblock_rows): 0.91-0.95x the time at 7-32 rows, 0.97x at 64 (docs/benchmarks.md, session 38).
+ * (kblock_rows): 0.91-0.95x the time at 7-32 rows, 0.97x at 64 (docs/benchmarks.md, session 38)
+ * for weights that stream from memory (streams()).
  *
  * Threads: the panels are split into contiguous ranges, one per OpenMP thread (the caller
  * passes torch's thread count; torch's own libgomp serves the parallel region when this
@@ -250,6 +251,15 @@ static void thread_panels(const float *xt, const float *wp, long M, long N, long
     }
 }
 
+/* Whether a [N, K] weight is one the k-blocked walk and the dynamic hand-out are for: a
+ * panel larger than L1 (K > 512 on AVX2), so a second chunk could not find it there, and a
+ * weight that streams from memory (4 MiB or more; every linear of the 246M model). Below,
+ * with the weights cache-resident (the embedded model, hidden 256), the walk's extra stores
+ * and the hand-outs cost more than they save: 1.05-1.17x the time at 8-64 rows, 1 thread. */
+static int streams(long N, long K) {
+    return DIRECT_MAX > MB_MAX && K * P * 4 > 32 * 1024 && N * K * 4 >= 4L * 1024 * 1024;
+}
+
 /* The calling thread's share [b, e) of `panels` panels, inside a parallel region. */
 static void my_panels(long panels, long *b, long *e) {
 #ifdef _OPENMP
@@ -264,23 +274,32 @@ static void my_panels(long panels, long *b, long *e) {
 }
 
 /* The product below for the calling thread of an enclosing parallel region (every thread of
- * it must call this with the same arguments). Up to DIRECT_MAX rows x is read in place; above,
+ * it must call this with the same arguments). Up to MB_MAX rows (DIRECT_MAX for a weight
+ * that streams) x is read in place; above,
  * every thread transposes its share of the chunks into xt (M * K floats, shared) first. The
  * caller puts a barrier after it before reading y. */
 static void linear_in_region(const float *x, long ldx, const float *wp, float *y, long ldy,
                              long M, long N, long K, float *xt) {
     long panels = (N + P - 1) / P;
     long b, e;
-    if (M <= DIRECT_MAX) { /* decode sizes: x read in place, every weight read once */
-        /* panels handed out 4 at a time: a core slowed by a neighbour (the HTTP process, the
-         * host) takes fewer instead of holding the other at the next barrier */
+    if (M <= MB_MAX || (M <= DIRECT_MAX && streams(N, K))) { /* x read in place */
+        if (streams(N, K)) {
+            /* panels handed out 4 at a time: a core slowed by a neighbour (the HTTP process,
+             * the host) takes fewer instead of holding the other at the next barrier */
 #pragma omp for schedule(dynamic, 4) nowait
-        for (long p = 0; p < panels; p++) {
+            for (long p = 0; p < panels; p++) {
+                long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
+                if (M <= MB_MAX)
+                    DIRECT[M](x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid);
+                else
+                    kblock_rows(x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid, M);
+            }
+            return;
+        }
+        my_panels(panels, &b, &e); /* cache-resident weights: a static split, no hand-outs */
+        for (long p = b; p < e; p++) {
             long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
-            if (M <= MB_MAX)
-                DIRECT[M](x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid);
-            else
-                kblock_rows(x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid, M);
+            DIRECT[M](x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid);
         }
         return;
     }
@@ -304,7 +323,7 @@ int tg_linear_small_m(const float *x, long ldx, const float *wp, float *y, long 
     long panels = (N + P - 1) / P;
     if (nthreads > panels) nthreads = (int)panels;
     float *xt = NULL;
-    if (M > DIRECT_MAX && !(xt = malloc((size_t)M * (size_t)K * sizeof(float)))) return -2;
+    if (M > MB_MAX && !(xt = malloc((size_t)M * (size_t)K * sizeof(float)))) return -2;
 #pragma omp parallel num_threads(nthreads)
     linear_in_region(x, ldx, wp, y, ldy, M, N, K, xt);
     free(xt);
