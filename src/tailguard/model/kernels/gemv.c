@@ -27,9 +27,10 @@
  * (kblock_rows): 0.91-0.95x the time at 7-32 rows, 0.97x at 64 (docs/benchmarks.md, session 38)
  * for weights that stream from memory (streams()).
  *
- * Threads: the panels are split into contiguous ranges, one per OpenMP thread (the caller
- * passes torch's thread count; torch's own libgomp serves the parallel region when this
- * library is loaded into a process that imported torch, so there is one thread pool).
+ * Threads: the panels are split into contiguous ranges, one per OpenMP thread, or at decode
+ * sizes over a weight that streams, handed out 4 at a time (the caller passes torch's thread
+ * count; torch's own libgomp serves the parallel region when this library is loaded into a
+ * process that imported torch, so there is one thread pool).
  *
  * Written with GCC vector extensions so it compiles for whatever `-march=native` offers;
  * FMAs come from contraction (-ffp-contract=fast is GCC's default in GNU C).
@@ -275,9 +276,8 @@ static void my_panels(long panels, long *b, long *e) {
 
 /* The product below for the calling thread of an enclosing parallel region (every thread of
  * it must call this with the same arguments). Up to MB_MAX rows (DIRECT_MAX for a weight
- * that streams) x is read in place; above,
- * every thread transposes its share of the chunks into xt (M * K floats, shared) first. The
- * caller puts a barrier after it before reading y. */
+ * that streams) x is read in place; above, every thread transposes its share of the chunks
+ * into xt (M * K floats, shared) first. The caller puts a barrier after it before reading y. */
 static void linear_in_region(const float *x, long ldx, const float *wp, float *y, long ldy,
                              long M, long N, long K, float *xt) {
     long panels = (N + P - 1) / P;
