@@ -25,7 +25,7 @@
  * row streams 21. So up to DIRECT_MAX rows, each panel is walked in blocks of KB values of k,
  * every chunk in turn on a block while it is in L1, the sums carried in a small buffer
  * (kblock_rows): 0.91-0.95x the time at 7-32 rows, 0.97x at 64 (docs/benchmarks.md, session 38)
- * for weights that stream from memory (streams()).
+ * for weights that stream from memory (kblocked()).
  *
  * Threads: the panels are split into contiguous ranges, one per OpenMP thread, or at decode
  * sizes over a weight that streams, handed out 4 at a time (the caller passes torch's thread
@@ -252,13 +252,22 @@ static void thread_panels(const float *xt, const float *wp, long M, long N, long
     }
 }
 
-/* Whether a [N, K] weight is one the k-blocked walk and the dynamic hand-out are for: a
- * panel larger than L1 (K > 512 on AVX2), so a second chunk could not find it there, and a
- * weight that streams from memory (4 MiB or more; every linear of the 246M model). Below,
- * with the weights cache-resident (the embedded model, hidden 256), the walk's extra stores
- * and the hand-outs cost more than they save: 1.05-1.17x the time at 8-64 rows, 1 thread. */
-static int streams(long N, long K) {
-    return DIRECT_MAX > MB_MAX && K * P * 4 > 32 * 1024 && N * K * 4 >= 4L * 1024 * 1024;
+/* Whether decode-sized rows against a [N, K] weight take the k-blocked walk and the dynamic
+ * hand-out (AVX2 only, DIRECT_MAX > MB_MAX): a panel larger than L1 (K > 512 on AVX2), so a
+ * second chunk could not find it there, and a weight that streams from memory (every linear
+ * of the 246M model). On cache-resident weights (the embedded model, hidden 256) the walk's
+ * extra stores and the hand-outs cost more than they save: 0.96-1.17x the old time at its
+ * layer shapes, 11 of 12 above 1 (8-64 rows, 1 thread; session 38). */
+#define L1_PANEL_BYTES (32 * 1024)
+#define STREAM_BYTES (4L * 1024 * 1024)
+static int kblocked(long N, long K) {
+    return DIRECT_MAX > MB_MAX && K * P * 4 > L1_PANEL_BYTES && N * K * 4 >= STREAM_BYTES;
+}
+
+/* Whether linear_in_region reads x in place, without the transposed copy into xt: up to
+ * MB_MAX rows, and up to DIRECT_MAX on the k-blocked walk. */
+static int in_place(long M, long N, long K) {
+    return M <= MB_MAX || (M <= DIRECT_MAX && kblocked(N, K));
 }
 
 /* The calling thread's share [b, e) of `panels` panels, inside a parallel region. */
@@ -275,28 +284,28 @@ static void my_panels(long panels, long *b, long *e) {
 }
 
 /* The product below for the calling thread of an enclosing parallel region (every thread of
- * it must call this with the same arguments). Up to MB_MAX rows (DIRECT_MAX for a weight
- * that streams) x is read in place; above, every thread transposes its share of the chunks
+ * it must call this with the same arguments). Where in_place, x is read in place; else every
+ * thread transposes its share of the chunks
  * into xt (M * K floats, shared) first. The caller puts a barrier after it before reading y. */
 static void linear_in_region(const float *x, long ldx, const float *wp, float *y, long ldy,
                              long M, long N, long K, float *xt) {
     long panels = (N + P - 1) / P;
     long b, e;
-    if (M <= MB_MAX || (M <= DIRECT_MAX && streams(N, K))) { /* x read in place */
-        if (streams(N, K)) {
-            /* panels handed out 4 at a time: a core slowed by a neighbour (the HTTP process,
-             * the host) takes fewer instead of holding the other at the next barrier */
+    if (M <= DIRECT_MAX && kblocked(N, K)) {
+        /* panels handed out 4 at a time: a core slowed by a neighbour (the HTTP process, the
+         * host) takes fewer instead of holding the other at the next barrier */
 #pragma omp for schedule(dynamic, 4) nowait
-            for (long p = 0; p < panels; p++) {
-                long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
-                if (M <= MB_MAX)
-                    DIRECT[M](x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid);
-                else
-                    kblock_rows(x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid, M);
-            }
-            return;
+        for (long p = 0; p < panels; p++) {
+            long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
+            if (M <= MB_MAX)
+                DIRECT[M](x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid);
+            else
+                kblock_rows(x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid, M);
         }
-        my_panels(panels, &b, &e); /* cache-resident weights: a static split, no hand-outs */
+        return;
+    }
+    if (M <= MB_MAX) { /* a static split, every weight read once */
+        my_panels(panels, &b, &e);
         for (long p = b; p < e; p++) {
             long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
             DIRECT[M](x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid);
@@ -323,7 +332,7 @@ int tg_linear_small_m(const float *x, long ldx, const float *wp, float *y, long 
     long panels = (N + P - 1) / P;
     if (nthreads > panels) nthreads = (int)panels;
     float *xt = NULL;
-    if (M > MB_MAX && !(xt = malloc((size_t)M * (size_t)K * sizeof(float)))) return -2;
+    if (!in_place(M, N, K) && !(xt = malloc((size_t)M * (size_t)K * sizeof(float)))) return -2;
 #pragma omp parallel num_threads(nthreads)
     linear_in_region(x, ldx, wp, y, ldy, M, N, K, xt);
     free(xt);

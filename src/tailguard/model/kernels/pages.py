@@ -33,7 +33,7 @@ MIN_HUGE_BYTES = HUGE_PAGE
 
 def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """An uninitialized contiguous CPU tensor, on huge pages where the OS grants them."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < MIN_HUGE_BYTES or advise is None:
         return torch.empty(shape, dtype=dtype)
