@@ -87,11 +87,12 @@ def test_kernel_reads_row_strided_inputs_and_model_sized_shapes(kernel: SmallMKe
     x = wide[:, 10:266]  # [8, 256] view, row stride 300: read in place
     w = torch.randn(1536, 256, generator=g)
     _assert_close(kernel.linear(x, kernel.pack(w)), _reference(x, w), "strided x")
-    # weights of 4 MiB and more with panels past L1 (AVX2: 7-64 rows on the k-blocked walk),
-    # K off the 32-row block, N off the panel, 13 rows in uneven chunks
+    # weights of 4 MiB and more with panels past L1 (AVX2: 7-64 rows on the k-blocked walk,
+    # 7-12 of them on its inlined two-chunk walks), K off the 32-row block, N off the panel,
+    # 13 rows in uneven chunks
     for m, n, k in (
         (8, 5632, 1024), (8, 1024, 2816), (1, 32000, 64), (16, 1536, 1024), (13, 1000, 1100),
-        (64, 1000, 1100), (7, 1000, 1100),
+        (64, 1000, 1100), *((m, 1000, 1100) for m in range(7, 13)),
     ):  # fmt: skip
         x = torch.randn(m, k, generator=g)
         w = torch.randn(n, k, generator=g)

@@ -193,18 +193,54 @@ static const block_fn BLOCK[MB_MAX + 1] = {
 #endif
 };
 
+/* Two chunks of A and B rows (A + B = M, MB_MAX < M <= 2 MB_MAX: 7-12 rows on AVX2, the decode
+ * batches of a few sequences) over every k block of one panel, inlined with their sizes
+ * constant (kblock_rows' switch): a call through BLOCK per block and chunk, and its loop
+ * bounds, cost 1.06-1.13x the time at 8 rows on a panel in L2 (docs/benchmarks.md,
+ * session 39). */
+ALWAYS_INLINE void kblock2(const float *x, long ldx, const float *wp, long K, float *acc,
+                           float *y, long ldy, long n0, long nvalid, const int A, const int B) {
+    for (long k0 = 0; k0 < K; k0 += KB) {
+        long k1 = k0 + KB < K ? k0 + KB : K;
+        panel_block(x, ldx, wp, k0, k1, acc, A, 1);
+        panel_block(x + A * ldx, ldx, wp, k0, k1, acc + A * P, B, 0);
+    }
+    if (nvalid == P) {
+#pragma GCC unroll 12
+        for (int m = 0; m < A + B; m++) {
+            *(vfu *)(y + m * ldy + n0) = *(const vf *)(acc + m * P);
+            *(vfu *)(y + m * ldy + n0 + VL) = *(const vf *)(acc + m * P + VL);
+        }
+    } else {
+        for (int m = 0; m < A + B; m++)
+            for (long j = 0; j < nvalid; j++) y[m * ldy + n0 + j] = acc[m * P + j];
+    }
+}
+
 /* M rows (MB_MAX < M <= DIRECT_MAX) read in place against one panel: chunks of at most
- * MB_MAX rows, balanced (8 = 4 + 4), each over the panel's k block in turn while it is in L1. */
+ * MB_MAX rows, balanced (8 = 4 + 4), each over the panel's k block in turn while it is in L1
+ * (two chunks on KBLOCK2's inlined walks). */
 static void kblock_rows(const float *x, long ldx, const float *wp, long K, float *y, long ldy,
                         long n0, long nvalid, long M) {
     float acc[DIRECT_MAX * P] __attribute__((aligned(64)));
     memset(acc, 0, (size_t)M * P * sizeof(float));
     long chunks = (M + MB_MAX - 1) / MB_MAX, base = M / chunks, extra = M % chunks;
-    for (long k0 = 0; k0 < K; k0 += KB) {
-        long k1 = k0 + KB < K ? k0 + KB : K;
-        for (long c = 0, m0 = 0; c < chunks; m0 += base + (c < extra), c++)
-            BLOCK[base + (c < extra)](x + m0 * ldx, ldx, wp, k0, k1, acc + m0 * P, c == 0);
+#define KBLOCK2(A, B) return kblock2(x, ldx, wp, K, acc, y, ldy, n0, nvalid, A, B)
+    switch (DIRECT_MAX > MB_MAX && MB_MAX == 6 ? M : 0) { /* the first chunk takes the odd row */
+    case 7: KBLOCK2(4, 3);
+    case 8: KBLOCK2(4, 4);
+    case 9: KBLOCK2(5, 4);
+    case 10: KBLOCK2(5, 5);
+    case 11: KBLOCK2(6, 5);
+    case 12: KBLOCK2(6, 6);
+    default:
+        for (long k0 = 0; k0 < K; k0 += KB) {
+            long k1 = k0 + KB < K ? k0 + KB : K;
+            for (long c = 0, m0 = 0; c < chunks; m0 += base + (c < extra), c++)
+                BLOCK[base + (c < extra)](x + m0 * ldx, ldx, wp, k0, k1, acc + m0 * P, c == 0);
+        }
     }
+#undef KBLOCK2
     for (long m = 0; m < M; m++)
         for (long j = 0; j < nvalid; j++) y[m * ldy + n0 + j] = acc[m * P + j];
 }
