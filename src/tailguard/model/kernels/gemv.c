@@ -196,14 +196,16 @@ static const block_fn BLOCK[MB_MAX + 1] = {
 /* Two chunks of A and B rows (A + B = M, MB_MAX < M <= 2 MB_MAX: 7-12 rows on AVX2, the decode
  * batches of a few sequences) over every k block of one panel, inlined with their sizes
  * constant (kblock_rows' switch): a call through BLOCK per block and chunk, and its loop
- * bounds, cost 1.06-1.13x the time at 8 rows on a panel in L2 (docs/benchmarks.md,
- * session 39). */
+ * bounds, cost 1.06-1.13x the time at 8 rows on a panel in L2. Both chunks prefetch the
+ * stream (the second's prefetch repeats the first's, half a block later): 0.96-0.99x the
+ * time of the first alone in 4 A/Bs of 30-40 rounds streaming (docs/benchmarks.md,
+ * session 39). Prefetching every other line instead cost 1.5x; none at all, 1.19x. */
 ALWAYS_INLINE void kblock2(const float *x, long ldx, const float *wp, long K, float *acc,
                            float *y, long ldy, long n0, long nvalid, const int A, const int B) {
     for (long k0 = 0; k0 < K; k0 += KB) {
         long k1 = k0 + KB < K ? k0 + KB : K;
         panel_block(x, ldx, wp, k0, k1, acc, A, 1);
-        panel_block(x + A * ldx, ldx, wp, k0, k1, acc + A * P, B, 0);
+        panel_block(x + A * ldx, ldx, wp, k0, k1, acc + A * P, B, 1);
     }
     if (nvalid == P) {
 #pragma GCC unroll 12
