@@ -196,10 +196,11 @@ static const block_fn BLOCK[MB_MAX + 1] = {
 /* Two chunks of A and B rows (A + B = M, MB_MAX < M <= 2 MB_MAX: 7-12 rows on AVX2, the decode
  * batches of a few sequences) over every k block of one panel, inlined with their sizes
  * constant (kblock_rows' switch): a call through BLOCK per block and chunk, and its loop
- * bounds, cost 1.06-1.13x the time at 8 rows on a panel in L2. Both chunks prefetch the
- * stream (the second's prefetch repeats the first's, half a block later): 0.96-0.99x the
- * time of the first alone in 4 A/Bs of 30-40 rounds streaming (docs/benchmarks.md,
- * session 39). Prefetching every other line instead cost 1.5x; none at all, 1.19x. */
+ * bounds, cost 1.00 / 1.10x the time at 8 rows on a panel in L2 (two A/Bs), the decode stack
+ * 1.04-1.06x. Both chunks prefetch the stream (the second's prefetch repeats the first's, half
+ * a block later): 0.96-0.99x the time of the first alone in 4 A/Bs of 30-40 rounds streaming
+ * (docs/benchmarks.md, session 39). Prefetching every other line instead cost 1.5x; none at
+ * all, 1.19x. */
 ALWAYS_INLINE void kblock2(const float *x, long ldx, const float *wp, long K, float *acc,
                            float *y, long ldy, long n0, long nvalid, const int A, const int B) {
     for (long k0 = 0; k0 < K; k0 += KB) {
