@@ -584,6 +584,13 @@ def test_greedy_head_gives_the_op_by_op_tokens(kernel: SmallMKernel) -> None:
         stack.greedy_head(x, torch.tensor([0, t]), norm_w, 1e-5, stack.pack(head), vocab, 2)
     with pytest.raises(ValueError, match="contiguous fp32"):
         stack.greedy_head(x.double(), torch.tensor([0]), norm_w, 1e-5, stack.pack(head), vocab, 2)
+    # a scratch size short of what the call writes (by 4 floats: inside the guard, so nothing
+    # past it is touched) is caught by the guard, not silent
+    real = stack._greedy_scratch
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stack, "_greedy_scratch", lambda *a: real(*a) - 16)
+        with pytest.raises(RuntimeError, match="wrote past its scratch"):
+            stack.greedy_head(x, torch.tensor([3, 0]), norm_w, 1e-5, stack.pack(head), vocab, 2)
 
 
 def test_decode_stack_self_check_catches_a_wrong_stack() -> None:
