@@ -528,69 +528,18 @@ def test_decode_stack_is_bound_only_where_it_applies(tmp_path: Path) -> None:
 
 
 def test_engine_greedy_tokens_identical_with_and_without_the_decode_stack() -> None:
-    """The embedded model, fp32: 20 sequences (decode batches above one register chunk of 6
-    or 12 rows, so the k-blocked and, on AVX-512, the transposed-chunk paths run too) generate
-    the same greedy tokens with the fused decode stack and its greedy head (the final norm,
-    the head and the argmax in one C call) as op by op."""
+    """The embedded model, fp32: 20 sequences (decode batches above the kernel's 6-12 direct
+    rows, so the stack's transposed-chunk path runs too) generate the same greedy tokens with
+    the fused decode stack as op by op."""
     _stack_or_skip()
     folder = default_model_dir()
     rng = random.Random(21)
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(2, 60))] for _ in range(20)]
     base = dict(model_dir=str(folder), dtype="float32", threads=2, warmup=False, nice=0)
     fused = EngineConfig(**base, fused_decode=True)  # type: ignore[arg-type]
-    stack = EngineCore(fused, folder).runner.model._stack
-    assert stack is not None and stack.greedy_head is not None
+    assert EngineCore(fused, folder).runner.model._stack is not None
     unfused = EngineConfig(**base, fused_decode=False)  # type: ignore[arg-type]
-    want = _greedy(unfused, prompts)
-    calls: list[int] = []
-    head = DecodeStack.greedy_head
-
-    def counted(self: DecodeStack, *a: object) -> torch.Tensor:
-        calls.append(1)
-        return head(self, *a)  # type: ignore[arg-type]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(DecodeStack, "greedy_head", counted)
-        assert _greedy(fused, prompts) == want
-    assert len(calls) == 23  # every decode step (24 tokens: 1 from the prefill + 23)
-
-
-def test_greedy_head_gives_the_op_by_op_tokens(kernel: SmallMKernel) -> None:
-    """The fp32 stack's greedy head against the op-by-op tail on the same rows: the row
-    kernel's RMSNorm, the head on the small-M kernel, the row kernel's argmax; rows out of
-    order and repeated, more of them than the kernel reads in place (its transposed copy),
-    one row NaN (the first NaN wins, as torch.argmax), and rows it cannot read refused."""
-    stack = _stack_or_skip()
-    rows_kernel = load_row_kernel()
-    assert rows_kernel is not None
-    g = torch.Generator().manual_seed(3)
-    t, h, vocab = 70, 64, 1000
-    x = torch.randn(t, h, generator=g)
-    x[5, 7] = float("nan")
-    norm_w = torch.rand(h, generator=g) + 0.5
-    head = torch.randn(vocab, h, generator=g) * 0.2
-    many = [(7 * i) % t for i in range(68)]  # past 64 rows: the transposed chunks
-    for rows in ([3, 0, 20, 7, 5], [2, 2, 9, 1, 4, 6, 8, 10, 11], many):
-        idx = torch.tensor(rows)
-        got = stack.greedy_head(x, idx, norm_w, 1e-5, stack.pack(head), vocab, 2)
-        normed = rows_kernel.rms_norm(x, norm_w, 1e-5, 2)[idx].contiguous()
-        logits = kernel.linear(normed, kernel.pack(head), 2)
-        assert got.tolist() == rows_kernel.argmax(logits, range(len(rows)))
-        assert got.tolist() == logits.argmax(-1).tolist()
-    assert torch.isnan(
-        kernel.linear(rows_kernel.rms_norm(x, norm_w, 1e-5)[5:6], kernel.pack(head))
-    ).any()
-    with pytest.raises(ValueError, match="greedy head refused"):
-        stack.greedy_head(x, torch.tensor([0, t]), norm_w, 1e-5, stack.pack(head), vocab, 2)
-    with pytest.raises(ValueError, match="contiguous fp32"):
-        stack.greedy_head(x.double(), torch.tensor([0]), norm_w, 1e-5, stack.pack(head), vocab, 2)
-    # a scratch size short of what the call writes (by 4 floats: inside the guard, so nothing
-    # past it is touched) is caught by the guard, not silent
-    real = stack._greedy_scratch
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(stack, "_greedy_scratch", lambda *a: real(*a) - 16)
-        with pytest.raises(RuntimeError, match="wrote past its scratch"):
-            stack.greedy_head(x, torch.tensor([3, 0]), norm_w, 1e-5, stack.pack(head), vocab, 2)
+    assert _greedy(fused, prompts) == _greedy(unfused, prompts)
 
 
 def test_decode_stack_self_check_catches_a_wrong_stack() -> None:

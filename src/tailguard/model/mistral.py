@@ -26,7 +26,7 @@ from tailguard.model.batch import AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
 from tailguard.model.kernels import DecodeStack, LinearKernel, RowKernel
 from tailguard.model.kernels.attn_bf16 import PrefillAttention
-from tailguard.model.kernels.decode import LayerRefs, StackDims
+from tailguard.model.kernels.decode import Bf16DecodeStack, LayerRefs, StackDims
 from tailguard.model.kernels.rows import MAX_BF16_HEAD_DIM, MAX_REP
 from tailguard.model.linear import KernelLinear, PackedLinear, can_prepack
 from tailguard.model.paged import (
@@ -452,7 +452,8 @@ class MistralModel(nn.Module):
         head = self._head_packed
         greedy = (
             _panels(head)
-            if isinstance(head, KernelLinear)
+            if isinstance(stack, Bf16DecodeStack)  # the greedy tail is decode_bf16.c's
+            and isinstance(head, KernelLinear)
             and head.kernel.dtype == stack.dtype
             and head.kernel.width == stack.width
             else None
@@ -464,7 +465,7 @@ class MistralModel(nn.Module):
         """The greedy next token [len(rows)] (int64) of each row index of a decode step in
         one call after the stack: the final norm, the head and the argmax in C, the same
         bits as `forward`, `head` and an argmax of its logits. None where the stack does not
-        run this batch or has no greedy head (a head not on the stack's kernel)."""
+        run this batch or has no greedy head (fp32; a head not on its kernel)."""
         stack = self._stack
         if stack is None or stack.greedy_head is None or not stack.applies(batch, kv_caches):
             return None

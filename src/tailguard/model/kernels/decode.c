@@ -117,37 +117,4 @@ int tg_decode_stack(const struct tg_layer *layers, long n_layers, const struct t
     return 0;
 }
 
-/* Bytes of scratch tg_greedy_head needs: the normed rows, the logits, and x's transposed copy
- * where the head's product does not read x in place (in_place: the embedded model's head past
- * MB_MAX rows, any head past DIRECT_MAX). */
-long tg_greedy_scratch(long nrows, long H, long V, int nthreads) {
-    (void)nthreads;
-    return 4 * (nrows * H + nrows * V + (in_place(nrows, V, H) ? 0 : nrows * H));
-}
-
-/* The greedy tail of a decode step in one parallel region, as decode_bf16.c's
- * tg_greedy_head_bf16 in fp32: for each of nrows rows of the stack's output x [T, H] (row
- * rows[i]), the final RMSNorm (rms_row, the row kernel's norm), the output head (tg_pack panels
- * of [V, H], on linear_in_region as the small-M kernel) and the id of the first maximal logit
- * (row_argmax) into ids[i]: the op-by-op tail's bits, without its Python calls and their
- * parallel regions. scratch: tg_greedy_scratch bytes. Returns 0, -1 on bad arguments. */
-int tg_greedy_head(const float *x, long T, const long *rows, long nrows, const float *norm_w,
-                   float eps, long H, const float *head, long V, long *ids, float *scratch,
-                   int nthreads) {
-    if (nrows < 1 || T < 1 || V < 1 || H % VL || nthreads < 1) return -1;
-    for (long i = 0; i < nrows; i++)
-        if (rows[i] < 0 || rows[i] >= T) return -1;
-    float *h = scratch, *logits = h + nrows * H, *xt = logits + nrows * V;
-#pragma omp parallel num_threads(nthreads)
-    {
-#pragma omp for schedule(static)
-        for (long i = 0; i < nrows; i++) rms_row(x + rows[i] * H, norm_w, h + i * H, H, eps);
-        linear_in_region(h, H, head, logits, V, nrows, V, H, xt);
-#pragma omp barrier
-#pragma omp for schedule(static)
-        for (long i = 0; i < nrows; i++) ids[i] = row_argmax(logits + i * V, V);
-    }
-    return 0;
-}
-
-int tg_decode_abi(void) { return 2; }
+int tg_decode_abi(void) { return 1; }

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("decode.c")
-ABI = 2
+ABI = 1
 SOURCE_BF16 = Path(__file__).with_name("decode_bf16.c")
 ABI_BF16 = 3
 
@@ -72,21 +72,12 @@ class LayerRefs:
     v_cache: Tensor
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
-
-
-_GUARD = 16  # floats past the greedy head's scratch, set to _CANARY and checked after a call
-_CANARY = -1.2345e-38  # a subnormal: no product of the head writes it by chance
-
-
 class DecodeStack:
     """decode.c: fp32 activations, tg_pack panels (gemv.c)."""
 
     dtype = torch.float32
     amx = False  # fp32: no tiles
     _symbols = ("tg_decode_stack", "tg_decode_scratch", "tg_pack", "tg_panel_width")
-    _greedy_symbols = ("tg_greedy_head", "tg_greedy_scratch")
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
@@ -109,17 +100,6 @@ class DecodeStack:
         self.width = int(width())
         self.lanes = int(lib.tg_rows_lanes())
         self._lib = lib
-        greedy, greedy_scratch = (getattr(lib, name) for name in self._greedy_symbols)
-        self._greedy = greedy
-        self._greedy.restype = c_int
-        # x, T, rows, nrows, norm_w, eps, H, head, V, ids, scratch, threads
-        self._greedy.argtypes = [
-            c_void_p, c_long, c_void_p, c_long, c_void_p, ctypes.c_float, c_long, c_void_p,
-            c_long, c_void_p, c_void_p, c_int,
-        ]  # fmt: skip
-        self._greedy_scratch = greedy_scratch
-        self._greedy_scratch.restype = c_long
-        self._greedy_scratch.argtypes = [c_long, c_long, c_long, c_int]
 
     def use_amx(self, on: bool) -> bool:
         """The linears on AMX tiles (bf16 only; the same as the bf16 kernel's use_amx, so the
@@ -130,34 +110,7 @@ class DecodeStack:
         self, x: Tensor, rows: Tensor, norm_w: Tensor, eps: float, head: Tensor, vocab: int,
         threads: int,
     ) -> Tensor:  # fmt: skip
-        """Next-token ids [len(rows)] (int64) of greedy decoding from the stack's output x
-        [T, H] (before the final norm): for each row index in `rows`, RMSNorm by `norm_w`,
-        the head (`pack`ed panels of [vocab, H]) and the first maximal logit, with the
-        op-by-op tail's roundings (the norm kernel, the head on the linear kernel, argmax of
-        its logits; in bf16, of the bf16 logits), in one call."""
-        t, h = x.shape
-        if x.dtype != self.dtype or not x.is_contiguous() or norm_w.dtype != x.dtype:
-            raise ValueError(
-                f"greedy head takes contiguous {_name(self.dtype)} x and norm: got {x.dtype}"
-            )
-        rows = rows.contiguous()
-        n = rows.shape[0]
-        ids = torch.empty(n, dtype=torch.long)
-        words = self._greedy_scratch(n, h, vocab, threads) // 4
-        scratch = torch.empty(words + _GUARD, dtype=torch.float32)  # 64-byte aligned
-        scratch[words:] = _CANARY  # a guard past the end: an overrun is caught, not silent
-        rc = self._greedy(
-            x.data_ptr(), t, rows.data_ptr(), n, norm_w.data_ptr(), eps, h, head.data_ptr(),
-            vocab, ids.data_ptr(), scratch.data_ptr(), threads,
-        )  # fmt: skip
-        if rc != 0:
-            raise ValueError(f"greedy head refused its arguments ({rc}): T={t} H={h} rows={n}")
-        if not bool((scratch[words:] == _CANARY).all()):
-            raise RuntimeError(
-                f"greedy head wrote past its scratch of {words} floats (T={t} H={h} rows={n} "
-                f"vocab={vocab}): a kernel bug, its scratch size disagrees with its product"
-            )
-        return ids
+        raise NotImplementedError("the greedy head runs on the bf16 stack only")
 
     def pack(self, w: Tensor) -> Tensor:
         """[N, K] fp32 -> tg_pack panels [ceil(N / width), K, width] (as the small-M kernel)."""
@@ -218,11 +171,46 @@ class Bf16DecodeStack(AmxPath, DecodeStack):
         "tg_bf16_pack",
         "tg_bf16_panel_width",
     )
-    _greedy_symbols = ("tg_greedy_head_bf16", "tg_greedy_scratch_bf16")
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         super().__init__(lib, path)
         self._bind_amx(lib)  # the linears on the bf16 kernel's path give its bits
+        c_long, c_void_p = ctypes.c_long, ctypes.c_void_p
+        self._greedy = lib.tg_greedy_head_bf16
+        self._greedy.restype = ctypes.c_int
+        # x, T, rows, nrows, norm_w, eps, H, head, V, ids, scratch, threads
+        self._greedy.argtypes = [
+            c_void_p, c_long, c_void_p, c_long, c_void_p, ctypes.c_float, c_long, c_void_p,
+            c_long, c_void_p, c_void_p, ctypes.c_int,
+        ]  # fmt: skip
+        self._greedy_scratch = lib.tg_greedy_scratch_bf16
+        self._greedy_scratch.restype = c_long
+        self._greedy_scratch.argtypes = [c_long, c_long, c_long, ctypes.c_int]
+
+    def greedy_head(
+        self, x: Tensor, rows: Tensor, norm_w: Tensor, eps: float, head: Tensor, vocab: int,
+        threads: int,
+    ) -> Tensor:  # fmt: skip
+        """Next-token ids [len(rows)] (int64) of greedy decoding from the stack's output x
+        [T, H] (before the final norm): for each row index in `rows`, RMSNorm by `norm_w`,
+        the head (`pack`ed panels of [vocab, H]) and the first maximal logit, with the
+        op-by-op tail's roundings (the norm kernel, the head on the bf16 kernel, argmax of
+        the bf16 logits), in one call."""
+        t, h = x.shape
+        if x.dtype != torch.bfloat16 or not x.is_contiguous() or norm_w.dtype != x.dtype:
+            raise ValueError(f"greedy head takes contiguous bf16 x and norm: got {x.dtype}")
+        rows = rows.contiguous()
+        n = rows.shape[0]
+        ids = torch.empty(n, dtype=torch.long)
+        nbytes = self._greedy_scratch(n, h, vocab, threads)
+        scratch = torch.empty(nbytes // 4 + 16, dtype=torch.float32)  # 64-byte aligned
+        rc = self._greedy(
+            x.data_ptr(), t, rows.data_ptr(), n, norm_w.data_ptr(), eps, h, head.data_ptr(),
+            vocab, ids.data_ptr(), scratch.data_ptr(), threads,
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"greedy head refused its arguments ({rc}): T={t} H={h} rows={n}")
+        return ids
 
     def pack(self, w: Tensor) -> Tensor:
         """[N, K] bf16 -> tg_bf16_pack panels [ceil(N / width), ceil(K / 2), 2 width] (as the
