@@ -34,10 +34,17 @@ struct tg_dims {
 
 static long max3(long a, long b, long c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
+/* Floats of x's transposed copy (linear_in_region's xt) the stack's products share: none up to
+ * MB_MAX rows, where every product reads x in place; above, room for the widest input, for the
+ * products off the k-blocked walk (in_place). */
+static long xt_floats(const struct tg_dims *d, long T) {
+    return T > MB_MAX ? T * max3(d->H, d->nh * d->hd, d->I) : 0;
+}
+
 /* Floats of scratch tg_decode_stack needs. */
 long tg_decode_scratch(const struct tg_dims *d, long T, long max_ctx, int nthreads) {
     long nq = d->nh * d->hd, nqkv = (d->nh + 2 * d->nkv) * d->hd;
-    long xt = T > MB_MAX ? T * max3(d->H, nq, d->I) : 0;
+    long xt = xt_floats(d, T);
     long scores = (long)nthreads * (d->nh / d->nkv) * (max_ctx + 1); /* per thread: rep heads */
     return T * (2 * d->H + nqkv + nq + 3 * d->I) + xt + scores;
 }
@@ -62,7 +69,7 @@ int tg_decode_stack(const struct tg_layer *layers, long n_layers, const struct t
         return -1;
     float *h = scratch, *qkv = h + T * H, *att = qkv + T * nqkv, *tmp = att + T * nq;
     float *gu = tmp + T * H, *act = gu + T * 2 * I, *xt = act + T * I;
-    float *scores = xt + (T > MB_MAX ? T * max3(H, nq, I) : 0);
+    float *scores = xt + xt_floats(d, T);
     long real[nseq > 0 ? nseq : 1], nreal = real_seqs(q_rows, nseq, T, real); /* shared */
 #pragma omp parallel num_threads(nthreads)
     {

@@ -229,7 +229,8 @@ static void kblock_rows(const float *x, long ldx, const float *wp, long K, float
     memset(acc, 0, (size_t)M * P * sizeof(float));
     long chunks = (M + MB_MAX - 1) / MB_MAX, base = M / chunks, extra = M % chunks;
 #define KBLOCK2(A, B) return kblock2(x, ldx, wp, K, acc, y, ldy, n0, nvalid, A, B)
-    switch (DIRECT_MAX > MB_MAX && MB_MAX == 6 ? M : 0) { /* the first chunk takes the odd row */
+    /* the cases' chunk sizes are AVX2's (MB_MAX 6); the first chunk takes the odd row */
+    switch (MB_MAX == 6 ? M : 0) {
     case 7: KBLOCK2(4, 3);
     case 8: KBLOCK2(4, 4);
     case 9: KBLOCK2(5, 4);
@@ -324,8 +325,8 @@ static void my_panels(long panels, long *b, long *e) {
 
 /* The product below for the calling thread of an enclosing parallel region (every thread of
  * it must call this with the same arguments). Where in_place, x is read in place; else every
- * thread transposes its share of the chunks
- * into xt (M * K floats, shared) first. The caller puts a barrier after it before reading y. */
+ * thread transposes its share of the chunks into xt (M * K floats, shared) first. The caller
+ * puts a barrier after it before reading y. */
 static void linear_in_region(const float *x, long ldx, const float *wp, float *y, long ldy,
                              long M, long N, long K, float *xt) {
     long panels = (N + P - 1) / P;
