@@ -10,7 +10,9 @@ scheduler update) in ms, and the msgpack encode of each step's outputs + stats;
 --temperature T samples (default greedy), --no-row-kernels uses torch's argmax / sampling
 instead of model/kernels/rows.c; --old-buckets
 runs with the token-bucket floor of 16 that preceded session 19, --profile adds a cProfile of
-the steps. Set OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=200000 to match the served engine.
+the steps; --long-prompts N:LEN gives the first N sequences LEN-token prompts (a batch of mixed
+contexts, as served traffic has: the decode attention's split over threads shows there).
+Set OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=200000 to match the served engine.
 
 --paired-bound reads the bandwidth again after every decode step (an fp32 and an int32 max,
 ~25 ms) and reports the median of each step's ratio to its own bound: the memory's rate on
@@ -228,6 +230,12 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: embedded)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument(
+        "--long-prompts",
+        default="",
+        metavar="N:LEN",
+        help="the first N sequences' prompts LEN tokens long, the rest --prompt (mixed contexts)",
+    )
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
@@ -413,9 +421,14 @@ def run_engine(
     model_.forward = timing(model_.forward)  # type: ignore[method-assign]
     model_.decode_greedy = timing(model_.decode_greedy)  # type: ignore[method-assign]
 
+    n_long, long_len = (0, 0)
+    if args.long_prompts:
+        n_long, long_len = (int(v) for v in args.long_prompts.split(":"))
+
     def run(tag: str) -> tuple[list[float], list[float], list[float]]:
         for i in range(args.batch):
-            prompt = tuple(rng.randrange(3, 32000) for _ in range(args.prompt))
+            size = long_len if i < n_long else args.prompt
+            prompt = tuple(rng.randrange(3, 32000) for _ in range(size))
             sp = SamplingParams(
                 max_tokens=args.output, ignore_eos=True, temperature=args.temperature
             )

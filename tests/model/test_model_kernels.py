@@ -370,7 +370,8 @@ def test_decode_attention_kernel_matches_the_sdpa_path(
     want = torch.zeros(n_tok + 1, nh * hd)
     attn.attend(q_ext, group, mask, k_cache.float(), v_cache.float(), want)
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one step of its 8-bit mantissa
-    for threads in (1, 2):
+    outs = []
+    for threads in (1, 2, 3):
         got = torch.full((n_tok + 1, nh * hd), 7.0, dtype=dtype)
         kernel.decode_attention(
             q, group.token_index[:, 0].contiguous(), n_tok, k_cache, v_cache,
@@ -380,6 +381,10 @@ def test_decode_attention_kernel_matches_the_sdpa_path(
             got[:n_tok].float(), want[:n_tok].to(dtype).float(), rtol=tol, atol=tol
         )
         assert (got[n_tok] == 7.0).all(), "padding rows are skipped, not written"
+        outs.append(got)
+    # the (sequence, KV head) pairs are handed out to threads as they free up (contexts differ):
+    # which thread runs a pair must not change a bit
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
     if dtype == torch.bfloat16:  # the fp32 kernel on the same values: the output rounds once
         got32 = torch.zeros(n_tok + 1, nh * hd)
         kernel.decode_attention(

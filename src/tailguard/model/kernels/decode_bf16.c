@@ -115,7 +115,7 @@ int tg_decode_stack_bf16(const struct tg_layer_bf16 *layers, long n_layers,
                 memcpy(L->v_cache + slots[t] * row, qkv + t * nqkv + nq + row,
                        row * sizeof(bf16_t));
             }
-#pragma omp for schedule(static)
+#pragma omp for ATTEND_SCHEDULE /* rows.c: the pairs' costs differ */
             for (long i = 0; i < nreal * nkv; i++) {
                 long s = real[i / nkv], g = i % nkv;
                 attend_one(qkv, nqkv, q_rows[s], L->k_cache, L->v_cache, tables + s * tbl_ld,

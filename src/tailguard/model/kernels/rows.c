@@ -342,7 +342,15 @@ static inline void attend_one(const void *q, long q_ld, long qrow, const void *k
 /* The sequences of a decode group with a real query row (q_rows[s] < pad_row) into idx:
  * their count. Padding sequences sit in the bucket's tail, and a split over all of them gave
  * one thread the real ones: at 6 real rows of 8 one thread ran 16 (sequence, KV head) pairs
- * and the other 8. */
+ * and the other 8.
+ *
+ * The (sequence, KV head) pairs are handed out one at a time (ATTEND_SCHEDULE), not split in
+ * contiguous halves: a pair's cost is its context, and served batches mix contexts. A static
+ * split gave one thread every pair of the long ones: the fp32 decode stack of the 246M model
+ * at 8 sequences, 1 / 2 / 4 of them at ~900 positions and the rest at ~64, ran 0.91x / 0.86x /
+ * 0.81x the time with them handed out, and 1.00x at equal contexts (docs/benchmarks.md,
+ * session 40). The outputs do not depend on which thread runs a pair. */
+#define ATTEND_SCHEDULE schedule(dynamic, 1)
 static long real_seqs(const long *q_rows, long nseq, long pad_row, long *idx) {
     long n = 0;
     for (long s = 0; s < nseq; s++)
@@ -367,7 +375,7 @@ static int decode_attention(const void *q, long q_ld, const long *q_rows, long n
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for ATTEND_SCHEDULE
         for (long i = 0; i < n * nkv; i++) {
             long s = idx[i / nkv], g = i % nkv;
             if (p)
