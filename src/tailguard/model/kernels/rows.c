@@ -298,20 +298,38 @@ ALWAYS_INLINE void attend_kv_head_t(const void *q, long q_ld, long qrow, const v
         }
         inv[r] = total > 0.0f ? 1.0f / total : 0.0f;
     }
-    long o0 = qrow * out_ld + g * rep * hd;
-    for (long d = 0; d < hd; d += VL) {
-        vf acc[REP_MAX];
-        for (long r = 0; r < rep; r++) acc[r] = (vf){};
-        for (long j = lo; j < n;) {
-            long blk = j / bs, stop = (blk + 1) * bs < n ? (blk + 1) * bs : n;
-            long base = (table[blk] - blk) * bs * row + g * hd + d;
-            for (; j < stop; j++) {
-                vf v = load_at(v_cache, base + j * row, bf16);
-                for (long r = 0; r < rep; r++) acc[r] += p[r * len + j - lo] * v;
-            }
+    /* The values block by block, every d of a block while its rows are in L1 (the next
+     * block's prefetched meanwhile), each lane's running sum over the positions carried from
+     * block to block in sums[rep][hd]: the same sums in the same order as one pass over every
+     * position a d, which re-read each value line from memory at long contexts (its rows
+     * 1 KB apart, a 4 KiB page every 4): the fp32 stack 0.95-0.98x the time at 4 of 8
+     * sequences at ~900 positions, 1.00x at ~64 (docs/benchmarks.md, session 40). fp32 sums in
+     * the output row itself; bf16 in a buffer, rounded once at the end. */
+    long o0 = qrow * out_ld + g * rep * hd, esz = bf16 ? 2 : 4;
+    float sbuf[bf16 ? REP_MAX * HD_MAX : 1];
+    float *sums = bf16 ? sbuf : (float *)out + o0;
+    for (long j = lo; j < n; j = (j / bs + 1) * bs) {
+        long blk = j / bs, stop = (blk + 1) * bs < n ? (blk + 1) * bs : n;
+        long base = (table[blk] - blk) * bs * row + g * hd;
+        if (stop < n) {
+            long next = (table[blk + 1] - blk - 1) * bs * row + g * hd;
+            for (long t = stop; t < stop + bs && t < n; t++)
+                for (long o = 0; o < hd * esz; o += 64)
+                    __builtin_prefetch((const char *)v_cache + (next + t * row) * esz + o, 0, 3);
         }
-        for (long r = 0; r < rep; r++) store_at(out, o0 + r * hd + d, acc[r] * inv[r], bf16);
+        for (long d = 0; d < hd; d += VL) {
+            vf acc[REP_MAX];
+            for (long r = 0; r < rep; r++) acc[r] = j == lo ? (vf){} : *(vfu *)(sums + r * hd + d);
+            for (long t = j; t < stop; t++) {
+                vf v = load_at(v_cache, base + d + t * row, bf16);
+                for (long r = 0; r < rep; r++) acc[r] += p[r * len + t - lo] * v;
+            }
+            for (long r = 0; r < rep; r++) *(vfu *)(sums + r * hd + d) = acc[r];
+        }
     }
+    for (long r = 0; r < rep; r++)
+        for (long d = 0; d < hd; d += VL)
+            store_at(out, o0 + r * hd + d, *(vfu *)(sums + r * hd + d) * inv[r], bf16);
 }
 
 /* One (sequence, KV head) of the decode attention: Mistral's shapes with constant sizes, so
