@@ -63,6 +63,18 @@
 #ifndef PF_ROWS
 #define PF_ROWS 64
 #endif
+/* Products of up to PF_MIN_ROWS rows read without it: on the AVX2 EPYC (Zen 3) a 1-row product
+ * has so little compute a line that the software prefetches only compete with the hardware's
+ * stream: M's 64 linears at 1 row 0.897x the time without them, the rate of a plain read (1.01x
+ * against 1.15x); at 2 rows 0.97x (noise), 4 rows 1.06x, 6 rows 1.13x (docs/benchmarks.md,
+ * session 40). The AVX-512 Xeon measured the opposite at 1 row (29 -> 31 GB/s with them). */
+#ifndef PF_MIN_ROWS
+#if VBYTES == 32
+#define PF_MIN_ROWS 1
+#else
+#define PF_MIN_ROWS 0
+#endif
+#endif
 #ifndef PF_LOC
 #define PF_LOC 2
 #endif
@@ -84,8 +96,10 @@ ALWAYS_INLINE void panel(const float *restrict x, long ldx, const float *restric
     for (int m = 0; m < MB; m++) a0[m] = a1[m] = (vf){0};
 #pragma GCC unroll 2
     for (long k = 0; k < K; k++) {
-        __builtin_prefetch(wp + (k + PF_ROWS) * P, 0, PF_LOC);
-        __builtin_prefetch(wp + (k + PF_ROWS) * P + P / 2, 0, PF_LOC);
+        if (MB > PF_MIN_ROWS) {
+            __builtin_prefetch(wp + (k + PF_ROWS) * P, 0, PF_LOC);
+            __builtin_prefetch(wp + (k + PF_ROWS) * P + P / 2, 0, PF_LOC);
+        }
         const vf w0 = *(const vfu *)(wp + k * P);
         const vf w1 = *(const vfu *)(wp + k * P + VL);
 #pragma GCC unroll 12
