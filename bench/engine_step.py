@@ -232,7 +232,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument(
         "--long-prompts",
-        default="",
+        type=lambda s: tuple(int(v) for v in s.split(":")),
+        default=(0, 0),
         metavar="N:LEN",
         help="the first N sequences' prompts LEN tokens long, the rest --prompt (mixed contexts)",
     )
@@ -284,6 +285,8 @@ def main() -> None:
         "step's own ratio to its bound (the memory's rate moves with the neighbours)",
     )
     args = ap.parse_args()
+    if args.prefill_peak and args.long_prompts[0]:
+        ap.error("--prefill-peak counts the FLOPs of --batch x --prompt: not with --long-prompts")
     model = args.model or default_model_dir()
     cfg = MistralConfig.from_dir(model)
     bound: dict[int, float] = {}
@@ -421,9 +424,7 @@ def run_engine(
     model_.forward = timing(model_.forward)  # type: ignore[method-assign]
     model_.decode_greedy = timing(model_.decode_greedy)  # type: ignore[method-assign]
 
-    n_long, long_len = (0, 0)
-    if args.long_prompts:
-        n_long, long_len = (int(v) for v in args.long_prompts.split(":"))
+    n_long, long_len = args.long_prompts
 
     def run(tag: str) -> tuple[list[float], list[float], list[float]]:
         for i in range(args.batch):
@@ -483,12 +484,15 @@ def run_engine(
         elif args.temperature <= 0:
             kernel += " + greedy head (forward includes the head and argmax)"
     rss = psutil.Process().memory_info().rss / 2**20
+    prompts = f"{args.batch - n_long} x {args.prompt}"
+    if n_long:
+        prompts += f" + {n_long} x {long_len}"
     print(
         f"{model.name} batch={args.batch} threads={args.threads} dtype={args.dtype} "
         f"buckets={'from 16' if args.old_buckets else 'from 1'} {kernel}: decode step {s:.1f} "
         f"ms, forward {f:.1f} ms, outside the forward {s - f:.1f} ms, encode+stats {e:.2f} ms "
         f"({args.batch / (s + e) * 1e3:.0f} tok/s engine-only); prefill "
-        f"({args.batch} x {args.prompt} tokens, every chunk) {sum(PREFILL_STEPS) * 1e3:.0f} ms; "
+        f"({prompts} tokens, every chunk) {sum(PREFILL_STEPS) * 1e3:.0f} ms; "
         f"RSS {rss:.0f} MiB"
     )
     if args.profile:

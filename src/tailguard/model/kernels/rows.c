@@ -227,13 +227,17 @@ ALWAYS_INLINE void store_at(void *p, long i, vf v, const int bf16) {
  * of the paged cache is a short stream of its own, which the hardware prefetcher picks up
  * too late: a 16 x 512 prefill's six decode rows a step, their attention 5.2-7.2 -> 3.7-4.5
  * ms a step (ABAB, session 36). */
-static inline void prefetch_kv(const char *k_cache, const char *v_cache, long base, long next,
+static inline void prefetch_rows(const void *cache, long off, long t0, long t1, long row,
+                                 long hd, long esz) {
+    for (long t = t0; t < t1; t++)
+        for (long o = 0; o < hd * esz; o += 64)
+            __builtin_prefetch((const char *)cache + (off + t * row) * esz + o, 0, 3);
+}
+
+static inline void prefetch_kv(const void *k_cache, const void *v_cache, long base, long next,
                                long j, long stop, long bs, long row, long hd, long esz) {
-    for (long t = j; t < stop; t++)
-        for (long o = 0; o < hd * esz; o += 64) {
-            if (next >= 0) __builtin_prefetch(k_cache + (next + (t + bs) * row) * esz + o, 0, 3);
-            __builtin_prefetch(v_cache + (base + t * row) * esz + o, 0, 3);
-        }
+    if (next >= 0) prefetch_rows(k_cache, next, j + bs, stop + bs, row, hd, esz);
+    prefetch_rows(v_cache, base, j, stop, row, hd, esz);
 }
 
 /* Query heads g * rep .. (g + 1) * rep of query row q + qrow * q_ld (its KV head g) over
@@ -301,22 +305,19 @@ ALWAYS_INLINE void attend_kv_head_t(const void *q, long q_ld, long qrow, const v
     /* The values block by block, every d of a block while its rows are in L1 (the next
      * block's prefetched meanwhile), each lane's running sum over the positions carried from
      * block to block in sums[rep][hd]: the same sums in the same order as one pass over every
-     * position a d, which re-read each value line from memory at long contexts (its rows
+     * position a d, which re-read each value line from L2 or memory at long contexts (its rows
      * 1 KB apart, a 4 KiB page every 4): the fp32 stack 0.95-0.98x the time at 4 of 8
      * sequences at ~900 positions, 1.00x at ~64 (docs/benchmarks.md, session 40). fp32 sums in
      * the output row itself; bf16 in a buffer, rounded once at the end. */
-    long o0 = qrow * out_ld + g * rep * hd, esz = bf16 ? 2 : 4;
+    long o0 = qrow * out_ld + g * rep * hd, stop;
     float sbuf[bf16 ? REP_MAX * HD_MAX : 1];
     float *sums = bf16 ? sbuf : (float *)out + o0;
-    for (long j = lo; j < n; j = (j / bs + 1) * bs) {
-        long blk = j / bs, stop = (blk + 1) * bs < n ? (blk + 1) * bs : n;
-        long base = (table[blk] - blk) * bs * row + g * hd;
-        if (stop < n) {
-            long next = (table[blk + 1] - blk - 1) * bs * row + g * hd;
-            for (long t = stop; t < stop + bs && t < n; t++)
-                for (long o = 0; o < hd * esz; o += 64)
-                    __builtin_prefetch((const char *)v_cache + (next + t * row) * esz + o, 0, 3);
-        }
+    for (long j = lo; j < n; j = stop) {
+        long blk = j / bs, base = (table[blk] - blk) * bs * row + g * hd;
+        stop = (blk + 1) * bs < n ? (blk + 1) * bs : n;
+        if (stop < n)
+            prefetch_rows(v_cache, (table[blk + 1] - blk - 1) * bs * row + g * hd, stop,
+                          stop + bs < n ? stop + bs : n, row, hd, bf16 ? 2 : 4);
         for (long d = 0; d < hd; d += VL) {
             vf acc[REP_MAX];
             for (long r = 0; r < rep; r++) acc[r] = j == lo ? (vf){} : *(vfu *)(sums + r * hd + d);
@@ -357,18 +358,19 @@ static inline void attend_one(const void *q, long q_ld, long qrow, const void *k
 #undef ATTEND
 }
 
+/* How every decode attention (here and in the decode stacks) hands its (sequence, KV head)
+ * pairs to threads: one at a time, not in contiguous halves. A pair's cost is its context, and
+ * served batches mix contexts: a static split gave one thread every pair of the long ones. The
+ * fp32 decode stack of the 246M model at 8 sequences, 1 / 2 / 4 of them at ~900 positions and
+ * the rest at ~64, ran 0.91x / 0.86x / 0.81x the time with them handed out, and 1.00x at equal
+ * contexts (docs/benchmarks.md, session 40). The outputs do not depend on which thread runs a
+ * pair. */
+#define ATTEND_SCHEDULE schedule(dynamic, 1)
+
 /* The sequences of a decode group with a real query row (q_rows[s] < pad_row) into idx:
  * their count. Padding sequences sit in the bucket's tail, and a split over all of them gave
  * one thread the real ones: at 6 real rows of 8 one thread ran 16 (sequence, KV head) pairs
- * and the other 8.
- *
- * The (sequence, KV head) pairs are handed out one at a time (ATTEND_SCHEDULE), not split in
- * contiguous halves: a pair's cost is its context, and served batches mix contexts. A static
- * split gave one thread every pair of the long ones: the fp32 decode stack of the 246M model
- * at 8 sequences, 1 / 2 / 4 of them at ~900 positions and the rest at ~64, ran 0.91x / 0.86x /
- * 0.81x the time with them handed out, and 1.00x at equal contexts (docs/benchmarks.md,
- * session 40). The outputs do not depend on which thread runs a pair. */
-#define ATTEND_SCHEDULE schedule(dynamic, 1)
+ * and the other 8. */
 static long real_seqs(const long *q_rows, long nseq, long pad_row, long *idx) {
     long n = 0;
     for (long s = 0; s < nseq; s++)
