@@ -26,7 +26,7 @@
 
 #define BLOCK 256
 #define REP_MAX 16 /* query heads per KV head the decode attention takes (nh / nkv) */
-#define HD_MAX 256 /* head_dim the bf16 decode attention takes (its fp32 copy of the queries) */
+#define HD_MAX 256 /* head_dim the bf16 decode attention takes (its fp32 sums) */
 
 #if defined(__AVX512F__)
 #define VBYTES 64
@@ -225,10 +225,18 @@ ALWAYS_INLINE void store_at(void *p, long i, vf v, const int bf16) {
  * of esz bytes, a KV head hd of them) while its keys are read: their values, and with
  * next >= 0 the same positions of the next block (at offset next), prefetched into L1. A block
  * of the paged cache is a short stream of its own, which the hardware prefetcher picks up
- * too late: a 16 x 512 prefill's six decode rows a step, their attention 5.2-7.2 -> 3.7-4.5
- * ms a step (ABAB, session 36). */
+ * too late on the AMX Xeon: a 16 x 512 prefill's six decode rows a step, their attention
+ * 5.2-7.2 -> 3.7-4.5 ms a step (ABAB, session 36). Not on AVX2 (KV_PREFETCH 0): on the Zen 3
+ * EPYC a prefetch fills L1 and holds one of its few miss buffers for the whole trip to DRAM,
+ * and a block's 64-128 of them at once stall the reads they were meant to help: the fp32
+ * decode stack without them 0.92-0.96x the time at 8 of 8 sequences at ~900 positions,
+ * 0.94-0.96x at 4 of 8, 0.98x at ~64 (docs/benchmarks.md, session 41). */
+#ifndef KV_PREFETCH
+#define KV_PREFETCH (VBYTES != 32)
+#endif
 static inline void prefetch_rows(const void *cache, long off, long t0, long t1, long row,
                                  long hd, long esz) {
+    if (!KV_PREFETCH) return;
     for (long t = t0; t < t1; t++)
         for (long o = 0; o < hd * esz; o += 64)
             __builtin_prefetch((const char *)cache + (off + t * row) * esz + o, 0, 3);
@@ -255,13 +263,13 @@ ALWAYS_INLINE void attend_kv_head_t(const void *q, long q_ld, long qrow, const v
     long row = nkv * hd; /* elements per cached token */
     long lo = window > 0 && n > window ? n - window : 0, len = n - lo;
     long q0 = qrow * q_ld + g * rep * hd; /* the group's first head */
-    /* the rep query rows as fp32: bf16 ones converted once here, not once per key */
-    float qbuf[bf16 ? REP_MAX * HD_MAX : 1];
-    const float *qf = (const float *)q + q0;
-    if (bf16) {
-        for (long i = 0; i < rep * hd; i += VL) *(vfu *)(qbuf + i) = load_at(q, q0 + i, 1);
-        qf = qbuf;
-    }
+    /* The rep query rows as fp32, copied to the frame: bf16 ones converted once here, not once
+     * per key, and fp32 ones read at constant offsets of the frame. Read in place, GCC hoisted
+     * their 4 x 8 vector addresses out of the key loop, spilled them, and every product
+     * reloaded its address: the attention alone 0.84-0.88x the time with the copy at ~900
+     * positions (one thread, session 41). */
+    float qf[rep * hd] __attribute__((aligned(VBYTES)));
+    for (long i = 0; i < rep * hd; i += VL) *(vf *)(qf + i) = load_at(q, q0 + i, bf16);
     float m[REP_MAX];
     for (long r = 0; r < rep; r++) m[r] = -INFINITY;
     /* positions block by block: the cache offset of position j is base + j * row */
@@ -318,7 +326,31 @@ ALWAYS_INLINE void attend_kv_head_t(const void *q, long q_ld, long qrow, const v
         if (stop < n)
             prefetch_rows(v_cache, (table[blk + 1] - blk - 1) * bs * row + g * hd, stop,
                           stop + bs < n ? stop + bs : n, row, hd, bf16 ? 2 : 4);
-        for (long d = 0; d < hd; d += VL) {
+        /* two value vectors a pass: 2 x rep sums in flight (8 at rep 4) where one left the
+         * FMAs' latency showing; the same sums in the same order. Alone 0.76x / 0.91x the time
+         * at ~900 positions (cache hot / cold), the stack 0.95-0.97x (session 41). */
+        long d = 0;
+        for (; d + 2 * VL <= hd; d += 2 * VL) {
+            vf acc[REP_MAX], acc1[REP_MAX];
+            for (long r = 0; r < rep; r++) {
+                acc[r] = j == lo ? (vf){} : *(vfu *)(sums + r * hd + d);
+                acc1[r] = j == lo ? (vf){} : *(vfu *)(sums + r * hd + d + VL);
+            }
+            for (long t = j; t < stop; t++) {
+                vf v = load_at(v_cache, base + d + t * row, bf16);
+                vf v1 = load_at(v_cache, base + d + VL + t * row, bf16);
+                for (long r = 0; r < rep; r++) {
+                    float pr = p[r * len + t - lo];
+                    acc[r] += pr * v;
+                    acc1[r] += pr * v1;
+                }
+            }
+            for (long r = 0; r < rep; r++) {
+                *(vfu *)(sums + r * hd + d) = acc[r];
+                *(vfu *)(sums + r * hd + d + VL) = acc1[r];
+            }
+        }
+        for (; d < hd; d += VL) {
             vf acc[REP_MAX];
             for (long r = 0; r < rep; r++) acc[r] = j == lo ? (vf){} : *(vfu *)(sums + r * hd + d);
             for (long t = j; t < stop; t++) {
