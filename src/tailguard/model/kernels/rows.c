@@ -248,6 +248,30 @@ static inline void prefetch_kv(const void *k_cache, const void *v_cache, long ba
     prefetch_rows(v_cache, base, j, stop, row, hd, esz);
 }
 
+/* Positions [j, stop) of one cache block (position t's values at base + t * row) into the
+ * running sums[rep][hd] of lanes d .. d + NV * VL: NV value vectors a pass, so NV x rep sums
+ * are in flight. Two (8 sums at rep 4) where one left the FMAs' latency showing: the attention
+ * alone 0.76x / 0.91x the time at ~900 positions (cache hot / cold), the stack 0.95-0.97x
+ * (session 41). The same sums in the same order either way; j == lo starts them at zero. */
+ALWAYS_INLINE void values_pass(const void *v_cache, long base, long row, long j, long stop,
+                               long lo, long len, const float *p, float *sums, long hd,
+                               long rep, long d, const int NV, const int bf16) {
+    vf acc[2][REP_MAX];
+    for (int u = 0; u < NV; u++)
+        for (long r = 0; r < rep; r++)
+            acc[u][r] = j == lo ? (vf){} : *(vfu *)(sums + r * hd + d + u * VL);
+    for (long t = j; t < stop; t++) {
+        vf v[2];
+        for (int u = 0; u < NV; u++) v[u] = load_at(v_cache, base + d + u * VL + t * row, bf16);
+        for (long r = 0; r < rep; r++) {
+            float pr = p[r * len + t - lo];
+            for (int u = 0; u < NV; u++) acc[u][r] += pr * v[u];
+        }
+    }
+    for (int u = 0; u < NV; u++)
+        for (long r = 0; r < rep; r++) *(vfu *)(sums + r * hd + d + u * VL) = acc[u][r];
+}
+
 /* Query heads g * rep .. (g + 1) * rep of query row q + qrow * q_ld (its KV head g) over
  * positions [max(0, n - window), n) read through `table`; results to out + qrow * out_ld.
  * p: scratch of rep * n floats. q, the caches and out are fp32, or with `bf16` all bf16
@@ -326,39 +350,11 @@ ALWAYS_INLINE void attend_kv_head_t(const void *q, long q_ld, long qrow, const v
         if (stop < n)
             prefetch_rows(v_cache, (table[blk + 1] - blk - 1) * bs * row + g * hd, stop,
                           stop + bs < n ? stop + bs : n, row, hd, bf16 ? 2 : 4);
-        /* two value vectors a pass: 2 x rep sums in flight (8 at rep 4) where one left the
-         * FMAs' latency showing; the same sums in the same order. Alone 0.76x / 0.91x the time
-         * at ~900 positions (cache hot / cold), the stack 0.95-0.97x (session 41). */
         long d = 0;
-        for (; d + 2 * VL <= hd; d += 2 * VL) {
-            vf acc[REP_MAX], acc1[REP_MAX];
-            for (long r = 0; r < rep; r++) {
-                acc[r] = j == lo ? (vf){} : *(vfu *)(sums + r * hd + d);
-                acc1[r] = j == lo ? (vf){} : *(vfu *)(sums + r * hd + d + VL);
-            }
-            for (long t = j; t < stop; t++) {
-                vf v = load_at(v_cache, base + d + t * row, bf16);
-                vf v1 = load_at(v_cache, base + d + VL + t * row, bf16);
-                for (long r = 0; r < rep; r++) {
-                    float pr = p[r * len + t - lo];
-                    acc[r] += pr * v;
-                    acc1[r] += pr * v1;
-                }
-            }
-            for (long r = 0; r < rep; r++) {
-                *(vfu *)(sums + r * hd + d) = acc[r];
-                *(vfu *)(sums + r * hd + d + VL) = acc1[r];
-            }
-        }
-        for (; d < hd; d += VL) {
-            vf acc[REP_MAX];
-            for (long r = 0; r < rep; r++) acc[r] = j == lo ? (vf){} : *(vfu *)(sums + r * hd + d);
-            for (long t = j; t < stop; t++) {
-                vf v = load_at(v_cache, base + d + t * row, bf16);
-                for (long r = 0; r < rep; r++) acc[r] += p[r * len + t - lo] * v;
-            }
-            for (long r = 0; r < rep; r++) *(vfu *)(sums + r * hd + d) = acc[r];
-        }
+        for (; d + 2 * VL <= hd; d += 2 * VL)
+            values_pass(v_cache, base, row, j, stop, lo, len, p, sums, hd, rep, d, 2, bf16);
+        for (; d < hd; d += VL)
+            values_pass(v_cache, base, row, j, stop, lo, len, p, sums, hd, rep, d, 1, bf16);
     }
     for (long r = 0; r < rep; r++)
         for (long d = 0; d < hd; d += VL)
