@@ -225,6 +225,18 @@ def micro(cfg: MistralConfig, rows: int, threads: int, dtype: torch.dtype, round
         del runs, packed, panels
 
 
+def long_prompts(text: str) -> tuple[int, int]:
+    """--long-prompts N:LEN, both non-negative integers."""
+    n, sep, length = text.partition(":")
+    try:
+        parsed = (int(n), int(length))
+    except ValueError:
+        parsed = (-1, -1)
+    if not sep or min(parsed) < 0:
+        raise argparse.ArgumentTypeError(f"want N:LEN, two non-negative integers (got {text!r})")
+    return parsed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: embedded)")
@@ -232,7 +244,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument(
         "--long-prompts",
-        type=lambda s: tuple(int(v) for v in s.split(":")),
+        type=long_prompts,
         default=(0, 0),
         metavar="N:LEN",
         help="the first N sequences' prompts LEN tokens long, the rest --prompt (mixed contexts)",

@@ -221,16 +221,12 @@ ALWAYS_INLINE void store_at(void *p, long i, vf v, const int bf16) {
         *(vfu *)((float *)p + i) = v;
 }
 
-/* Positions [j, stop) of one cache block (offset base: position t at base + t * row elements
- * of esz bytes, a KV head hd of them) while its keys are read: their values, and with
- * next >= 0 the same positions of the next block (at offset next), prefetched into L1. A block
- * of the paged cache is a short stream of its own, which the hardware prefetcher picks up
- * too late on the AMX Xeon: a 16 x 512 prefill's six decode rows a step, their attention
- * 5.2-7.2 -> 3.7-4.5 ms a step (ABAB, session 36). Not on AVX2 (KV_PREFETCH 0): on the Zen 3
- * EPYC a prefetch fills L1 and holds one of its few miss buffers for the whole trip to DRAM,
- * and a block's 64-128 of them at once stall the reads they were meant to help: the fp32
- * decode stack without them 0.92-0.96x the time at 8 of 8 sequences at ~900 positions,
- * 0.94-0.96x at 4 of 8, 0.98x at ~64 (docs/benchmarks.md, session 41). */
+/* Cache rows t0 .. t1 (position t at off + t * row elements of esz bytes, a KV head hd of
+ * them) prefetched into L1, on AVX-512 only (KV_PREFETCH). On the Zen 3 EPYC (AVX2) a prefetch
+ * fills L1 and holds one of its few miss buffers for the whole trip to DRAM, and a block's
+ * 64-128 of them at once stall the reads they were meant to help: the fp32 decode stack
+ * without them 0.92-0.96x the time at 8 of 8 sequences at ~900 positions, 0.94-0.96x at 4 of 8
+ * (1.00x with scattered block tables), 0.98x at ~64 (docs/benchmarks.md, session 41). */
 #ifndef KV_PREFETCH
 #define KV_PREFETCH (VBYTES != 32)
 #endif
@@ -242,6 +238,11 @@ static inline void prefetch_rows(const void *cache, long off, long t0, long t1, 
             __builtin_prefetch((const char *)cache + (off + t * row) * esz + o, 0, 3);
 }
 
+/* Positions [j, stop) of one cache block (offset base) while its keys are read: their values,
+ * and with next >= 0 the same positions of the next block's keys (at offset next). A block of
+ * the paged cache is a short stream of its own, which the AMX Xeon's hardware prefetcher
+ * picks up too late: a 16 x 512 prefill's six decode rows a step, their attention 5.2-7.2 ->
+ * 3.7-4.5 ms a step (ABAB, session 36). */
 static inline void prefetch_kv(const void *k_cache, const void *v_cache, long base, long next,
                                long j, long stop, long bs, long row, long hd, long esz) {
     if (next >= 0) prefetch_rows(k_cache, next, j + bs, stop + bs, row, hd, esz);
@@ -251,7 +252,7 @@ static inline void prefetch_kv(const void *k_cache, const void *v_cache, long ba
 /* Positions [j, stop) of one cache block (position t's values at base + t * row) into the
  * running sums[rep][hd] of lanes d .. d + NV * VL: NV value vectors a pass, so NV x rep sums
  * are in flight. Two (8 sums at rep 4) where one left the FMAs' latency showing: the attention
- * alone 0.76x / 0.91x the time at ~900 positions (cache hot / cold), the stack 0.95-0.97x
+ * alone 0.76x / 0.91x the time at ~900 positions (cache hot / cold), the stack 0.95-0.99x
  * (session 41). The same sums in the same order either way; j == lo starts them at zero. */
 ALWAYS_INLINE void values_pass(const void *v_cache, long base, long row, long j, long stop,
                                long lo, long len, const float *p, float *sums, long hd,

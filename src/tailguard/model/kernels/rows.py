@@ -23,7 +23,7 @@ __all__ = ["RowKernel", "load_row_kernel", "row_kernel_unavailable_reason", "sel
 
 SOURCE = Path(__file__).with_name("rows.c")
 ABI = 8
-MAX_BF16_HEAD_DIM = 256  # rows.c HD_MAX: the bf16 decode attention's fp32 copy of the queries
+MAX_BF16_HEAD_DIM = 256  # rows.c HD_MAX: the bf16 decode attention's fp32 sums
 MAX_REP = 16  # rows.c REP_MAX: query heads per KV head the decode attention takes
 
 
