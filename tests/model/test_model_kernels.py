@@ -88,15 +88,19 @@ def test_kernel_reads_row_strided_inputs_and_model_sized_shapes(kernel: SmallMKe
     w = torch.randn(1536, 256, generator=g)
     _assert_close(kernel.linear(x, kernel.pack(w)), _reference(x, w), "strided x")
     # weights of 4 MiB and more with panels past L1 (AVX2: 7-64 rows on the k-blocked walk,
-    # 7-12 of them on its inlined two-chunk walks), K off the 32-row block, N off the panel,
-    # 13 rows in uneven chunks
+    # 7-12 of them on its inlined two-chunk walks, 3-12 with two panels walked together), K off
+    # the 32-row block, N off the panel (an odd panel out of the pairs at N 1000, none at
+    # 1024), 13 rows in uneven chunks; 1 and 2 threads share the pairs out
     for m, n, k in (
         (8, 5632, 1024), (8, 1024, 2816), (1, 32000, 64), (16, 1536, 1024), (13, 1000, 1100),
-        (64, 1000, 1100), *((m, 1000, 1100) for m in range(7, 13)),
+        (64, 1000, 1100), *((m, 1000, 1100) for m in range(1, 13)), (4, 1024, 1100),
     ):  # fmt: skip
         x = torch.randn(m, k, generator=g)
         w = torch.randn(n, k, generator=g)
-        _assert_close(kernel.linear(x, kernel.pack(w)), _reference(x, w), f"M={m} N={n} K={k}")
+        packed, want = kernel.pack(w), _reference(x, w)
+        for threads in (1, 2):
+            got = kernel.linear(x, packed, threads)
+            _assert_close(got, want, f"M={m} N={n} K={k} threads={threads}")
     w = torch.randn(40, 24, generator=g)
     wt = w.t().contiguous().t()  # not contiguous: packed from a contiguous copy
     x = torch.randn(3, 24, generator=g)

@@ -28,9 +28,10 @@
  * for weights that stream from memory (kblocked()).
  *
  * Threads: the panels are split into contiguous ranges, one per OpenMP thread, or at decode
- * sizes over a weight that streams, handed out 4 at a time (the caller passes torch's thread
- * count; torch's own libgomp serves the parallel region when this library is loaded into a
- * process that imported torch, so there is one thread pool).
+ * sizes over a weight that streams, handed out 4 at a time (at 3-12 rows on AVX2 as two
+ * pairs, each pair walked together: pair_walk). The caller passes torch's thread count;
+ * torch's own libgomp serves the parallel region when this library is loaded into a process
+ * that imported torch, so there is one thread pool.
  *
  * Written with GCC vector extensions so it compiles for whatever `-march=native` offers;
  * FMAs come from contraction (-ffp-contract=fast is GCC's default in GNU C).
@@ -124,8 +125,9 @@ ALWAYS_INLINE void panel(const float *restrict x, long ldx, const float *restric
 }
 
 /* MB rows of x (read in place, ldx apart) against the panel's rows [k0, k1), the sums
- * carried in acc[MB][P] from one block to the next. PF: prefetch the stream ahead (the first
- * chunk on a block does; the others find the block in L1). */
+ * carried in acc[MB][P] from one block to the next. PF: prefetch the stream that many rows
+ * ahead, or not at all at 0 (the first chunk on a block does; the others find the block in
+ * L1). */
 ALWAYS_INLINE void panel_block(const float *restrict x, long ldx, const float *restrict wp,
                                long k0, long k1, float *restrict acc, const int MB,
                                const int PF) {
@@ -137,8 +139,8 @@ ALWAYS_INLINE void panel_block(const float *restrict x, long ldx, const float *r
     }
 #pragma GCC unroll 2
     for (long k = k0; k < k1; k++) {
-        if (PF) __builtin_prefetch(wp + (k + PF_ROWS) * P, 0, PF_LOC);
-        if (PF && P * 4 > 64) __builtin_prefetch(wp + (k + PF_ROWS) * P + P / 2, 0, PF_LOC);
+        if (PF) __builtin_prefetch(wp + (k + PF) * P, 0, PF_LOC);
+        if (PF && P * 4 > 64) __builtin_prefetch(wp + (k + PF) * P + P / 2, 0, PF_LOC);
         const vf w0 = *(const vfu *)(wp + k * P);
         const vf w1 = *(const vfu *)(wp + k * P + VL);
 #pragma GCC unroll 12
@@ -167,7 +169,7 @@ ALWAYS_INLINE void panel_block(const float *restrict x, long ldx, const float *r
     static void block_##MB(const float *x, long ldx, const float *wp, long k0, long k1,        \
                            float *acc, int first) {                                            \
         if (first)                                                                             \
-            panel_block(x, ldx, wp, k0, k1, acc, MB, 1);                                       \
+            panel_block(x, ldx, wp, k0, k1, acc, MB, PF_ROWS);                                 \
         else                                                                                   \
             panel_block(x, ldx, wp, k0, k1, acc, MB, 0);                                       \
     }
@@ -219,8 +221,8 @@ ALWAYS_INLINE void kblock2(const float *x, long ldx, const float *wp, long K, fl
                            float *y, long ldy, long n0, long nvalid, const int A, const int B) {
     for (long k0 = 0; k0 < K; k0 += KB) {
         long k1 = k0 + KB < K ? k0 + KB : K;
-        panel_block(x, ldx, wp, k0, k1, acc, A, 1);
-        panel_block(x + A * ldx, ldx, wp, k0, k1, acc + A * P, B, 1);
+        panel_block(x, ldx, wp, k0, k1, acc, A, PF_ROWS);
+        panel_block(x + A * ldx, ldx, wp, k0, k1, acc + A * P, B, PF_ROWS);
     }
     if (nvalid == P) {
 #pragma GCC unroll 12
@@ -262,6 +264,71 @@ static void kblock_rows(const float *x, long ldx, const float *wp, long K, float
     for (long m = 0; m < M; m++)
         for (long j = 0; j < nvalid; j++) y[m * ldy + n0 + j] = acc[m * P + j];
 }
+
+/* Two panels side by side on the k-blocked walk: 3-12 rows (A + B, B = 0 for one chunk) over
+ * each k block of panel 0, then the same block of panel 1, so the core reads two streams at
+ * once: the likely reason it pays, the hardware prefetchers follow each stream, so more lines
+ * are in flight for the same instructions a line (the walk, not the FMAs, limits the one-panel
+ * rate on Zen 3: session 41).
+ * Measured against one panel at a time, M's 64 linears, 2 threads: 0.88-0.95x the time at 8
+ * rows, 0.88-0.92x at 3, 4 and 6, 0.96x at 5 and 12; 1.08x slower at 16 (three chunks a
+ * block: compute-heavy enough already) and none at 1-2 rows (docs/benchmarks.md, session 42).
+ * Each stream prefetched PAIR_PF_ROWS ahead, half the one-panel distance: as many lines
+ * requested in all. The same sums in the same order as one panel alone. */
+#ifndef PAIR_PF_ROWS
+#define PAIR_PF_ROWS 32
+#endif
+#define PAIR_MIN 3
+#define PAIR_MAX (2 * MB_MAX)
+
+/* A panel of the paired walk: its packed weights and its columns of y. */
+struct panel_ref {
+    const float *w;
+    long n0, nvalid;
+};
+
+ALWAYS_INLINE void pair_walk(const float *x, long ldx, const struct panel_ref *pr, long K,
+                             float *y, long ldy, const int A, const int B) {
+    float acc[2][PAIR_MAX * P] __attribute__((aligned(64)));
+    memset(acc, 0, sizeof acc);
+    for (long k0 = 0; k0 < K; k0 += KB) {
+        long k1 = k0 + KB < K ? k0 + KB : K;
+#pragma GCC unroll 2
+        for (int i = 0; i < 2; i++) {
+            panel_block(x, ldx, pr[i].w, k0, k1, acc[i], A, PAIR_PF_ROWS);
+            if (B) panel_block(x + A * ldx, ldx, pr[i].w, k0, k1, acc[i] + A * P, B, PAIR_PF_ROWS);
+        }
+    }
+    for (int i = 0; i < 2; i++)
+        for (int m = 0; m < A + B; m++)
+            for (long j = 0; j < pr[i].nvalid; j++)
+                y[m * ldy + pr[i].n0 + j] = acc[i][m * P + j];
+}
+
+/* One function per chunk pair, not inlined into the hand-out: inlined where kblock_rows' larger
+ * frame was, the walk measured 0.97x the one-panel time instead of 0.91x (session 42). */
+#define DEFINE_PAIR(A, B)                                                                      \
+    static __attribute__((noinline)) void pair_##A##_##B(                                      \
+        const float *x, long ldx, const struct panel_ref *pr, long K, float *y, long ldy) {    \
+        pair_walk(x, ldx, pr, K, y, ldy, A, B);                                                \
+    }
+DEFINE_PAIR(3, 0)
+DEFINE_PAIR(4, 0)
+DEFINE_PAIR(5, 0)
+DEFINE_PAIR(6, 0)
+DEFINE_PAIR(4, 3)
+DEFINE_PAIR(4, 4)
+DEFINE_PAIR(5, 4)
+DEFINE_PAIR(5, 5)
+DEFINE_PAIR(6, 5)
+DEFINE_PAIR(6, 6)
+typedef void (*pair_fn)(const float *, long, const struct panel_ref *, long, float *, long);
+/* by rows; the chunks as kblock_rows cuts them (AVX2's MB_MAX 6: the first takes the odd row) */
+static const pair_fn PAIRS[PAIR_MAX + 1] = {
+    [3] = pair_3_0, [4] = pair_4_0,  [5] = pair_5_0,  [6] = pair_6_0,
+    [7] = pair_4_3, [8] = pair_4_4,  [9] = pair_5_4,  [10] = pair_5_5,
+    [11] = pair_6_5, [12] = pair_6_6,
+};
 
 int tg_panel_width(void) { return P; }
 
@@ -348,6 +415,24 @@ static void linear_in_region(const float *x, long ldx, const float *wp, float *y
     if (M <= DIRECT_MAX && kblocked(N, K)) {
         /* panels handed out 4 at a time: a core slowed by a neighbour (the HTTP process, the
          * host) takes fewer instead of holding the other at the next barrier */
+        if (MB_MAX == 6 && M >= PAIR_MIN && M <= PAIR_MAX) {
+            /* two panels at a time, walked together (pair_walk) */
+#pragma omp for schedule(dynamic, 2) nowait
+            for (long i = 0; i < (panels + 1) / 2; i++) {
+                struct panel_ref pr[2];
+                for (int j = 0; j < 2 && 2 * i + j < panels; j++) {
+                    long n0 = (2 * i + j) * P;
+                    pr[j] = (struct panel_ref){wp + n0 * K, n0, N - n0 < P ? N - n0 : P};
+                }
+                if (2 * i + 1 < panels)
+                    PAIRS[M](x, ldx, pr, K, y, ldy);
+                else if (M <= MB_MAX) /* an odd panel out */
+                    DIRECT[M](x, ldx, pr[0].w, K, y, ldy, pr[0].n0, pr[0].nvalid);
+                else
+                    kblock_rows(x, ldx, pr[0].w, K, y, ldy, pr[0].n0, pr[0].nvalid, M);
+            }
+            return;
+        }
 #pragma omp for schedule(dynamic, 4) nowait
         for (long p = 0; p < panels; p++) {
             long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
