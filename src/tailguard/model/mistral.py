@@ -100,7 +100,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.hidden_size, q_dim + 2 * kv_dim, bias=False)
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
         self.window = config.sliding_window or 0
-        # decode groups on our own kernel (model/kernels/rows.c) where set: CPU fp32 or bf16
+        # decode groups on our own kernel (model/kernels/attend.c) where set: CPU fp32 or bf16
         self.fused: RowKernel | None = None
         self.fused_rope: RowKernel | None = None  # RoPE on it (bf16: half of hd whole lanes)
         self.prefill: PrefillAttention | None = None  # bf16 first chunks (attn_bf16.c) if set

@@ -92,7 +92,8 @@ def build_library(source_path: Path, compiler: str, cache_dir: Path) -> Path:
 
 def _with_includes(source_path: Path) -> bytes:
     """The source and every neighbour it includes, at any depth, each once (decode_bf16.c
-    includes gemv_bf16.c, which includes gemv_amx.c and rows.c): all of them key the build."""
+    includes gemv_bf16.c, which includes gemv_amx.c and rows.c, which includes attend.c): all
+    of them key the build."""
     seen: list[Path] = []
     todo = [source_path]
     while todo:

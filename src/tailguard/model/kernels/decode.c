@@ -96,7 +96,7 @@ int tg_decode_stack(const struct tg_layer *layers, long n_layers, const struct t
                 memcpy(L->v_cache + slots[t] * row, qkv + t * nqkv + nq + row,
                        row * sizeof(float));
             }
-#pragma omp for ATTEND_SCHEDULE /* rows.c: the pairs' costs differ */
+#pragma omp for ATTEND_SCHEDULE /* attend.c: the pairs' costs differ */
             for (long i = 0; i < nreal * nkv; i++) {
                 long s = real[i / nkv], g = i % nkv;
                 attend_one(qkv, nqkv, q_rows[s], L->k_cache, L->v_cache, tables + s * tbl_ld,

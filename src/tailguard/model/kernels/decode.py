@@ -5,10 +5,10 @@ decode_bf16.c (CPU bf16 on AVX512-BF16, the bf16 linear kernel's panels).
     layers = stack.layers([...])       # once: every layer's norm weights, panels and caches
     stack.run(layers, dims, x, cos, sin, slots, q_rows, tables, ctx_lens, max_ctx, threads)
 
-decode.c includes gemv.c (the small-M linear) and rows.c (norms, RoPE, silu, paged decode
-attention), decode_bf16.c gemv_bf16.c and rows.c, so each phase is the same code as the
-op-by-op path; built and cached like them (build.py) and checked against a torch reference of
-two layers (`self_check`) before use.
+decode.c includes gemv.c (the small-M linear) and rows.c (norms, RoPE, silu, and through
+attend.c the paged decode attention), decode_bf16.c gemv_bf16.c and rows.c, so each phase is
+the same code as the op-by-op path; built and cached like them (build.py) and checked against a
+torch reference of two layers (`self_check`) before use.
 """
 
 from __future__ import annotations

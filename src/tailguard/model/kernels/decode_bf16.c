@@ -9,8 +9,9 @@
  * the whole stack is one parallel region; the phases of a layer are separated by barriers.
  *
  * The pieces: the bf16 linear (gemv_bf16.c, panels from tg_bf16_pack) and the row kernels
- * (rows.c: rms_row_bf16, rope_row_bf16, silu_row_bf16, attend_one), included so each phase is
- * the op it replaces. The residual add rounds its fp32 sum once, as torch's bf16 add does.
+ * (rows.c: rms_row_bf16, rope_row_bf16, silu_row_bf16; attend.c's attend_one), included so
+ * each phase is the op it replaces. The residual add rounds its fp32 sum once, as torch's
+ * bf16 add does.
  */
 #include <string.h>
 
@@ -115,7 +116,7 @@ int tg_decode_stack_bf16(const struct tg_layer_bf16 *layers, long n_layers,
                 memcpy(L->v_cache + slots[t] * row, qkv + t * nqkv + nq + row,
                        row * sizeof(bf16_t));
             }
-#pragma omp for ATTEND_SCHEDULE /* rows.c: the pairs' costs differ */
+#pragma omp for ATTEND_SCHEDULE /* attend.c: the pairs' costs differ */
             for (long i = 0; i < nreal * nkv; i++) {
                 long s = real[i / nkv], g = i % nkv;
                 attend_one(qkv, nqkv, q_rows[s], L->k_cache, L->v_cache, tables + s * tbl_ld,
