@@ -271,8 +271,9 @@ static void kblock_rows(const float *x, long ldx, const float *wp, long K, float
  * are in flight for the same instructions a line (the walk, not the FMAs, limits the one-panel
  * rate on Zen 3: session 41).
  * Measured against one panel at a time, M's 64 linears, 2 threads: 0.88-0.95x the time at 8
- * rows, 0.88-0.92x at 3, 4 and 6, 0.96x at 5 and 12; 1.08x slower at 16 (three chunks a
- * block: compute-heavy enough already) and none at 1-2 rows (docs/benchmarks.md, session 42).
+ * rows, 0.88-0.92x at 3, 4 and 6, 0.96-0.97x at 5 and 12; 1.04-1.08x slower at 16 (three
+ * chunks a block: compute-bound already) and no gain at 2 rows (1 not tried: its walk has no
+ * software prefetch and reads at a plain read's rate; docs/benchmarks.md, session 42).
  * Each stream prefetched PAIR_PF_ROWS ahead, half the one-panel distance: as many lines
  * requested in all. The same sums in the same order as one panel alone. */
 #ifndef PAIR_PF_ROWS
@@ -305,8 +306,9 @@ ALWAYS_INLINE void pair_walk(const float *x, long ldx, const struct panel_ref *p
                 y[m * ldy + pr[i].n0 + j] = acc[i][m * P + j];
 }
 
-/* One function per chunk pair, not inlined into the hand-out: inlined where kblock_rows' larger
- * frame was, the walk measured 0.97x the one-panel time instead of 0.91x (session 42). */
+/* One function per chunk pair, not inlined into the hand-out: inlined into kblock_rows (whose
+ * frame holds the 64-row sums), the walk measured 0.97-1.02x the one-panel time instead of
+ * 0.88-0.93x (session 42). */
 #define DEFINE_PAIR(A, B)                                                                      \
     static __attribute__((noinline)) void pair_##A##_##B(                                      \
         const float *x, long ldx, const struct panel_ref *pr, long K, float *y, long ldy) {    \
