@@ -15,8 +15,6 @@ cache tensors and the attention masks live in model/paged.py.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +24,6 @@ from tailguard.model.batch import AttnGroup, ForwardBatch
 from tailguard.model.config import MistralConfig
 from tailguard.model.kernels import DecodeStack, LinearKernel, RowKernel
 from tailguard.model.kernels.attn_bf16 import PrefillAttention
-from tailguard.model.kernels.decode import Bf16DecodeStack, LayerRefs, StackDims
 from tailguard.model.kernels.rows import MAX_BF16_HEAD_DIM, MAX_REP
 from tailguard.model.linear import KernelLinear, PackedLinear, can_prepack
 from tailguard.model.paged import (
@@ -39,6 +36,7 @@ from tailguard.model.paged import (
     allocate_kv_cache,
     attention_mask,
 )
+from tailguard.model.stack import BoundStack, bind, panels
 
 __all__ = [
     "CAUSAL",
@@ -166,7 +164,7 @@ class Attention(nn.Module):
                         self.n_head, self.n_kv, self.head_dim, self.window, out,
                         torch.get_num_threads(), starts=group.query_start,
                         cache=(k_cache, v_cache, group.block_tables),
-                        warm=_panels(self.wo) if isinstance(self.wo, KernelLinear) else None,
+                        warm=panels(self.wo) if isinstance(self.wo, KernelLinear) else None,
                     )  # fmt: skip
                     continue
                 kv_len = group.block_tables.shape[1] * k_cache.shape[1]
@@ -296,7 +294,7 @@ class MistralModel(nn.Module):
         self._head_packed: nn.Module | None = None  # the output head after prepack()
         self.row_kernel: RowKernel | None = None  # set by use_row_kernel() on every layer
         self.prefill_kernel: PrefillAttention | None = None  # set by use_prefill_attention()
-        self._stack: _BoundStack | None = None  # set by use_decode_stack()
+        self._stack: BoundStack | None = None  # set by use_decode_stack()
         # Initialised by hand and not on the meta device (the loader builds there and assigns
         # real tensors): normal_() on meta pulls in torch's Python reference kernels, a one-off
         # ~1-2 s import that would dominate loading a small model.
@@ -323,7 +321,7 @@ class MistralModel(nn.Module):
         """Final-norm hidden states [T, H] of every flat token (padding rows finite garbage)."""
         stack = self._stack
         if stack is not None and stack.applies(batch, kv_caches):
-            return self._forward_stack(batch, stack)
+            return self.norm(stack.run(batch, self.embed_tokens, self.rope_cos, self.rope_sin))
         x = self.embed_tokens(batch.input_ids)  # [T, H]
         # transformers computes cos/sin in fp32 and casts to the activation dtype; same here.
         cos = self.rope_cos.index_select(0, batch.positions).to(x.dtype)[:, None]  # [T, 1, hd]
@@ -430,35 +428,8 @@ class MistralModel(nn.Module):
         if not ok or stack is None:
             self._stack = None
             return False
-        refs = [
-            LayerRefs(
-                ly.attn_norm.weight.detach(),
-                ly.ffn_norm.weight.detach(),
-                _panels(four[0]),
-                _panels(four[1]),
-                _panels(four[2]),
-                _panels(four[3]),
-                k,
-                v,
-            )
-            for ly, four, (k, v) in zip(layers, linears, kv_caches, strict=True)
-        ]
-        c = self.config
-        dims = StackDims(
-            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-            c.intermediate_size, kv_caches[0][0].shape[1], c.sliding_window or 0,
-            c.rms_norm_eps, c.head_dim**-0.5,
-        )  # fmt: skip
-        head = self._head_packed
-        greedy = (
-            _panels(head)
-            if isinstance(stack, Bf16DecodeStack)  # the greedy tail is decode_bf16.c's
-            and isinstance(head, KernelLinear)
-            and head.kernel.dtype == stack.dtype
-            and head.kernel.width == stack.width
-            else None
-        )
-        self._stack = _BoundStack(stack, stack.layers(refs), refs, dims, greedy)
+        norms = [(ly.attn_norm.weight.detach(), ly.ffn_norm.weight.detach()) for ly in layers]
+        self._stack = bind(stack, self.config, norms, linears, kv_caches, self._head_packed)
         return True
 
     def decode_greedy(self, batch: ForwardBatch, kv_caches: KVCache, rows: Tensor) -> Tensor | None:
@@ -469,30 +440,12 @@ class MistralModel(nn.Module):
         stack = self._stack
         if stack is None or stack.greedy_head is None or not stack.applies(batch, kv_caches):
             return None
-        x = self._run_stack(batch, stack)
+        x = stack.run(batch, self.embed_tokens, self.rope_cos, self.rope_sin)
         c = self.config
         return stack.kernel.greedy_head(
             x, rows, self.norm.weight.detach(), c.rms_norm_eps, stack.greedy_head,
             c.vocab_size, torch.get_num_threads(),
         )  # fmt: skip
-
-    def _forward_stack(self, batch: ForwardBatch, stack: _BoundStack) -> Tensor:
-        return self.norm(self._run_stack(batch, stack))
-
-    def _run_stack(self, batch: ForwardBatch, stack: _BoundStack) -> Tensor:
-        """The decoder stack's output [T, H] (the residual stream, before the final norm)."""
-        x = self.embed_tokens(batch.input_ids).contiguous()  # [T, H], updated in place
-        # [T, hd] in the model dtype (bf16: cast as the op-by-op forward casts)
-        cos = self.rope_cos.index_select(0, batch.positions).to(x.dtype).contiguous()
-        sin = self.rope_sin.index_select(0, batch.positions).to(x.dtype).contiguous()
-        group = batch.groups[0]
-        tables = group.block_tables.contiguous()
-        stack.kernel.run(
-            stack.layers, stack.dims, x, cos, sin, batch.slot_mapping.contiguous(),
-            group.token_index[:, 0].contiguous(), tables, group.context_lens.contiguous(),
-            tables.shape[1] * stack.dims.bs, torch.get_num_threads(),
-        )  # fmt: skip
-        return x
 
     def prepack(self, pack: bool = True, kernel: LinearKernel | None = None) -> None:
         """Replace every projection and the output head by faster linears (CPU inference).
@@ -580,32 +533,6 @@ class MistralModel(nn.Module):
             sd[f"layers.{i}.mlp.w2.weight"] = tensors[hf + "mlp.down_proj.weight"]
         self.load_state_dict(sd, strict=True, assign=True)
         self._head_t = None  # new weights: rebuild the transposed head on first use
-
-
-def _panels(linear: nn.Module) -> Tensor:
-    assert isinstance(linear, KernelLinear)
-    return linear.weight.panels
-
-
-@dataclass(frozen=True)
-class _BoundStack:
-    """The decode stack bound to this model's weights and one KV cache (use_decode_stack)."""
-
-    kernel: DecodeStack
-    layers: Any  # the ctypes array of decode.c's struct tg_layer
-    refs: list[LayerRefs]  # keeps every pointer in `layers` alive
-    dims: StackDims
-    greedy_head: Tensor | None = None  # the head's panels where the stack runs greedy_head
-
-    def applies(self, batch: ForwardBatch, kv_caches: KVCache) -> bool:
-        """One decode group (one query a sequence), over the cache the stack was bound to."""
-        groups = batch.groups
-        return (
-            len(groups) == 1
-            and groups[0].token_index.shape[1] == 1
-            and kv_caches[0][0].data_ptr() == self.refs[0].k_cache.data_ptr()
-            and batch.input_ids.device.type == "cpu"
-        )
 
 
 def _rope_table(max_len: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
