@@ -36,7 +36,7 @@ from tailguard.model.paged import (
     allocate_kv_cache,
     attention_mask,
 )
-from tailguard.model.stack import BoundStack, bind, panels
+from tailguard.model.stack import BoundStack, bind, on_stack_kernel, panels
 
 __all__ = [
     "CAUSAL",
@@ -417,13 +417,8 @@ class MistralModel(nn.Module):
             and stack.lanes == self.row_kernel.lanes
             and len(layers) == len(kv_caches) > 0
             and all(ly.attn.fused_rope is not None for ly in layers)  # the stack's RoPE
-            and all(
-                isinstance(lin, KernelLinear)
-                and lin.kernel.dtype == stack.dtype == self.dtype
-                and lin.kernel.width == stack.width
-                for four in linears
-                for lin in four
-            )
+            and stack.dtype == self.dtype
+            and all(on_stack_kernel(stack, lin) for four in linears for lin in four)
         )
         if not ok or stack is None:
             self._stack = None

@@ -23,6 +23,16 @@ from tailguard.model.paged import KVCache
 Projections = tuple[nn.Module, nn.Module, nn.Module, nn.Module]
 
 
+def on_stack_kernel(stack: DecodeStack, linear: nn.Module | None) -> bool:
+    """Whether `linear` runs on our linear kernel in the stack's dtype and panel width, so the
+    stack can read its panels."""
+    return (
+        isinstance(linear, KernelLinear)
+        and linear.kernel.dtype == stack.dtype
+        and linear.kernel.width == stack.width
+    )
+
+
 def panels(linear: nn.Module) -> Tensor:
     """A projection's packed panels (it runs on our linear kernel: KernelLinear)."""
     assert isinstance(linear, KernelLinear)
@@ -75,8 +85,8 @@ def bind(
     kv_caches: KVCache,
     head: nn.Module | None,
 ) -> BoundStack:
-    """The stack over every layer's norm weights (attention, FFN), projections (on our linear
-    kernel, of the stack's dtype and panel width: the caller checks) and KV cache; with the
+    """The stack over every layer's norm weights (attention, FFN), projections (each
+    `on_stack_kernel`: the caller checks) and KV cache; with the
     output head's panels where the stack runs the greedy tail (decode_bf16.c's, a head on its
     kernel)."""
     refs = [
@@ -93,10 +103,8 @@ def bind(
     )  # fmt: skip
     greedy = (
         panels(head)
-        if isinstance(stack, Bf16DecodeStack)  # the greedy tail is decode_bf16.c's
-        and isinstance(head, KernelLinear)
-        and head.kernel.dtype == stack.dtype
-        and head.kernel.width == stack.width
+        # the greedy tail is decode_bf16.c's
+        if isinstance(stack, Bf16DecodeStack) and head is not None and on_stack_kernel(stack, head)
         else None
     )
     return BoundStack(stack, stack.layers(refs), refs, dims, greedy)

@@ -209,6 +209,24 @@ static const block_fn BLOCK[MB_MAX + 1] = {
 #endif
 };
 
+/* The columns one panel holds of N: P, or fewer in the last. */
+static inline long panel_cols(long n0, long N) { return N - n0 < P ? N - n0 : P; }
+
+/* M rows of a panel's sums acc[M][P] into y's columns [n0, n0 + nvalid). */
+ALWAYS_INLINE void store_sums(const float *acc, long M, float *y, long ldy, long n0,
+                              long nvalid) {
+    if (nvalid == P) {
+#pragma GCC unroll 12
+        for (int m = 0; m < M; m++) {
+            *(vfu *)(y + m * ldy + n0) = *(const vf *)(acc + m * P);
+            *(vfu *)(y + m * ldy + n0 + VL) = *(const vf *)(acc + m * P + VL);
+        }
+    } else {
+        for (int m = 0; m < M; m++)
+            for (long j = 0; j < nvalid; j++) y[m * ldy + n0 + j] = acc[m * P + j];
+    }
+}
+
 /* Two chunks of A and B rows (A + B = M, MB_MAX < M <= 2 MB_MAX: 7-12 rows on AVX2, the decode
  * batches of a few sequences) over every k block of one panel, inlined with their sizes
  * constant (kblock_rows' switch): a call through BLOCK per block and chunk, and its loop
@@ -224,16 +242,7 @@ ALWAYS_INLINE void kblock2(const float *x, long ldx, const float *wp, long K, fl
         panel_block(x, ldx, wp, k0, k1, acc, A, PF_ROWS);
         panel_block(x + A * ldx, ldx, wp, k0, k1, acc + A * P, B, PF_ROWS);
     }
-    if (nvalid == P) {
-#pragma GCC unroll 12
-        for (int m = 0; m < A + B; m++) {
-            *(vfu *)(y + m * ldy + n0) = *(const vf *)(acc + m * P);
-            *(vfu *)(y + m * ldy + n0 + VL) = *(const vf *)(acc + m * P + VL);
-        }
-    } else {
-        for (int m = 0; m < A + B; m++)
-            for (long j = 0; j < nvalid; j++) y[m * ldy + n0 + j] = acc[m * P + j];
-    }
+    store_sums(acc, A + B, y, ldy, n0, nvalid);
 }
 
 /* M rows (MB_MAX < M <= DIRECT_MAX) read in place against one panel: chunks of at most
@@ -261,8 +270,7 @@ static void kblock_rows(const float *x, long ldx, const float *wp, long K, float
         }
     }
 #undef KBLOCK2
-    for (long m = 0; m < M; m++)
-        for (long j = 0; j < nvalid; j++) y[m * ldy + n0 + j] = acc[m * P + j];
+    store_sums(acc, M, y, ldy, n0, nvalid);
 }
 
 /* Two panels side by side on the k-blocked walk: 3-12 rows (A + B, B = 0 for one chunk) over
@@ -282,28 +290,23 @@ static void kblock_rows(const float *x, long ldx, const float *wp, long K, float
 #define PAIR_MIN 3
 #define PAIR_MAX (2 * MB_MAX)
 
-/* A panel of the paired walk: its packed weights and its columns of y. */
-struct panel_ref {
-    const float *w;
-    long n0, nvalid;
-};
-
-ALWAYS_INLINE void pair_walk(const float *x, long ldx, const struct panel_ref *pr, long K,
-                             float *y, long ldy, const int A, const int B) {
+/* Panels p and p + 1 (weights at w, w + K * P; columns from n0 of N, the second maybe the
+ * last and narrower). */
+ALWAYS_INLINE void pair_walk(const float *x, long ldx, const float *w, long K, float *y,
+                             long ldy, long n0, long N, const int A, const int B) {
     float acc[2][PAIR_MAX * P] __attribute__((aligned(64)));
     memset(acc, 0, sizeof acc);
     for (long k0 = 0; k0 < K; k0 += KB) {
         long k1 = k0 + KB < K ? k0 + KB : K;
 #pragma GCC unroll 2
         for (int i = 0; i < 2; i++) {
-            panel_block(x, ldx, pr[i].w, k0, k1, acc[i], A, PAIR_PF_ROWS);
-            if (B) panel_block(x + A * ldx, ldx, pr[i].w, k0, k1, acc[i] + A * P, B, PAIR_PF_ROWS);
+            const float *wi = w + i * K * P;
+            panel_block(x, ldx, wi, k0, k1, acc[i], A, PAIR_PF_ROWS);
+            if (B) panel_block(x + A * ldx, ldx, wi, k0, k1, acc[i] + A * P, B, PAIR_PF_ROWS);
         }
     }
-    for (int i = 0; i < 2; i++)
-        for (int m = 0; m < A + B; m++)
-            for (long j = 0; j < pr[i].nvalid; j++)
-                y[m * ldy + pr[i].n0 + j] = acc[i][m * P + j];
+    store_sums(acc[0], A + B, y, ldy, n0, P);
+    store_sums(acc[1], A + B, y, ldy, n0 + P, panel_cols(n0 + P, N));
 }
 
 /* One function per chunk pair, not inlined into the hand-out: inlined into kblock_rows (whose
@@ -311,8 +314,8 @@ ALWAYS_INLINE void pair_walk(const float *x, long ldx, const struct panel_ref *p
  * 0.88-0.93x (session 42). */
 #define DEFINE_PAIR(A, B)                                                                      \
     static __attribute__((noinline)) void pair_##A##_##B(                                      \
-        const float *x, long ldx, const struct panel_ref *pr, long K, float *y, long ldy) {    \
-        pair_walk(x, ldx, pr, K, y, ldy, A, B);                                                \
+        const float *x, long ldx, const float *w, long K, float *y, long ldy, long n0, long N) { \
+        pair_walk(x, ldx, w, K, y, ldy, n0, N, A, B);                                          \
     }
 DEFINE_PAIR(3, 0)
 DEFINE_PAIR(4, 0)
@@ -324,7 +327,7 @@ DEFINE_PAIR(5, 4)
 DEFINE_PAIR(5, 5)
 DEFINE_PAIR(6, 5)
 DEFINE_PAIR(6, 6)
-typedef void (*pair_fn)(const float *, long, const struct panel_ref *, long, float *, long);
+typedef void (*pair_fn)(const float *, long, const float *, long, float *, long, long, long);
 /* by rows; the chunks as kblock_rows cuts them (AVX2's MB_MAX 6: the first takes the odd row) */
 static const pair_fn PAIRS[PAIR_MAX + 1] = {
     [3] = pair_3_0, [4] = pair_4_0,  [5] = pair_5_0,  [6] = pair_6_0,
@@ -393,6 +396,16 @@ static int in_place(long M, long N, long K) {
     return M <= MB_MAX || (M <= DIRECT_MAX && kblocked(N, K));
 }
 
+/* Panel p of a weight that streams (kblocked), M <= DIRECT_MAX rows read in place. */
+static void streamed_panel(const float *x, long ldx, const float *wp, long K, float *y,
+                           long ldy, long p, long N, long M) {
+    const float *w = wp + p * K * P;
+    if (M <= MB_MAX)
+        DIRECT[M](x, ldx, w, K, y, ldy, p * P, panel_cols(p * P, N));
+    else
+        kblock_rows(x, ldx, w, K, y, ldy, p * P, panel_cols(p * P, N), M);
+}
+
 /* The calling thread's share [b, e) of `panels` panels, inside a parallel region. */
 static void my_panels(long panels, long *b, long *e) {
 #ifdef _OPENMP
@@ -420,29 +433,16 @@ static void linear_in_region(const float *x, long ldx, const float *wp, float *y
         if (MB_MAX == 6 && M >= PAIR_MIN && M <= PAIR_MAX) {
             /* two panels at a time, walked together (pair_walk) */
 #pragma omp for schedule(dynamic, 2) nowait
-            for (long i = 0; i < (panels + 1) / 2; i++) {
-                struct panel_ref pr[2];
-                for (int j = 0; j < 2 && 2 * i + j < panels; j++) {
-                    long n0 = (2 * i + j) * P;
-                    pr[j] = (struct panel_ref){wp + n0 * K, n0, N - n0 < P ? N - n0 : P};
-                }
-                if (2 * i + 1 < panels)
-                    PAIRS[M](x, ldx, pr, K, y, ldy);
-                else if (M <= MB_MAX) /* an odd panel out */
-                    DIRECT[M](x, ldx, pr[0].w, K, y, ldy, pr[0].n0, pr[0].nvalid);
-                else
-                    kblock_rows(x, ldx, pr[0].w, K, y, ldy, pr[0].n0, pr[0].nvalid, M);
+            for (long p = 0; p < panels; p += 2) {
+                if (p + 1 < panels)
+                    PAIRS[M](x, ldx, wp + p * K * P, K, y, ldy, p * P, N);
+                else /* an odd panel out */
+                    streamed_panel(x, ldx, wp, K, y, ldy, p, N, M);
             }
             return;
         }
 #pragma omp for schedule(dynamic, 4) nowait
-        for (long p = 0; p < panels; p++) {
-            long n0 = p * P, nvalid = N - n0 < P ? N - n0 : P;
-            if (M <= MB_MAX)
-                DIRECT[M](x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid);
-            else
-                kblock_rows(x, ldx, wp + p * K * P, K, y, ldy, n0, nvalid, M);
-        }
+        for (long p = 0; p < panels; p++) streamed_panel(x, ldx, wp, K, y, ldy, p, N, M);
         return;
     }
     if (M <= MB_MAX) { /* a static split, every weight read once */
